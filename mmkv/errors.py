@@ -1,0 +1,74 @@
+"""Errors are part of the interface: one exception type per kind of bad input, each with the
+HTTP status and OpenAI error type the server answers with. Raising one never changes a cache.
+"""
+
+from __future__ import annotations
+
+
+class MMKVError(Exception):
+    """Base of every error mmkv raises on purpose."""
+
+    http_status = 500
+    error_type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequestError(MMKVError):
+    """A request that is malformed in a way the schema cannot catch (bad content part, bad setting)."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class InvalidImageError(InvalidRequestError):
+    """Bytes that are not a decodable image, or an image too small or too oddly shaped to encode."""
+
+    code = "invalid_image"
+
+
+class ImageTooLargeError(InvalidImageError):
+    """An image over the hard pixel limit (the decompression-bomb guard). Ordinary large images
+    are downscaled to max_pixels instead."""
+
+    code = "image_too_large"
+
+
+class ImageURLNotAllowedError(InvalidImageError):
+    """An http(s) or file URL where only data: URLs and uploaded ids are accepted."""
+
+    code = "image_url_not_allowed"
+
+
+class PromptTooLongError(InvalidRequestError):
+    """Prompt plus max_new_tokens exceed the model's context or the engine's limit."""
+
+    code = "context_length_exceeded"
+
+
+class UnknownImageError(MMKVError):
+    """An image id that this tenant never added, or that was deleted."""
+
+    http_status = 404
+    error_type = "invalid_request_error"
+    code = "image_not_found"
+
+
+class ModelLoadError(MMKVError):
+    """A checkpoint directory that is missing, unreadable or of an unsupported architecture."""
+
+    http_status = 500
+    error_type = "server_error"
+    code = "model_load_error"
+
+
+class RopeNotComposableError(ModelLoadError):
+    """A rope type whose scaling makes rotation by a delta differ from rotation to the target
+    position (dynamic NTK, YaRN attention factors, LongRoPE): cached keys cannot be moved."""
+
+    code = "rope_not_composable"
