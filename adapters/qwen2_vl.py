@@ -1,0 +1,21 @@
+"""Qwen2-VL and Qwen2.5-VL: sectioned M-RoPE, no deepstack, patch 14 (factor 28)."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import VLAdapter
+
+
+class Qwen2VLAdapter(VLAdapter):
+    family = "qwen2_vl"
+    model_types = ("qwen2_vl", "qwen2_5_vl")
+    rope_layout_name = "sectioned"
+
+    @staticmethod
+    def _axis_of_freq(section: list[int], n_freq: int) -> torch.Tensor:
+        """`mrope_section` [t, h, w] splits the frequencies into contiguous temporal, height and
+        width groups (transformers' `recomposition_frequencies`: chunk i takes axis i % 3)."""
+        if sum(section) != n_freq:
+            raise ValueError(f"mrope_section {section} does not cover {n_freq} rotary frequencies")
+        return torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)])

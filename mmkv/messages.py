@@ -1,0 +1,97 @@
+"""OpenAI-shaped chat messages -> chat-template messages and the images they reference, in order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image
+
+from mmkv.errors import InvalidRequestError
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+RESERVED_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """One image a prompt references: an id the tenant added, or inline data to decode."""
+
+    image_id: str | None = None
+    data: Any = None  # bytes | PIL.Image | data: URL
+    param: str = ""  # where in the request it came from, for errors
+
+
+def _text(value: Any, param: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{param} must be a string", param=param)
+    for token in RESERVED_TOKENS:
+        if token in value:
+            raise InvalidRequestError(f"{param} contains the reserved token {token}; send images as image parts",
+                                      param=param)
+    return value
+
+
+def _image_part(part: dict, param: str) -> ImageRef:
+    kind = part.get("type")
+    if kind == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise InvalidRequestError(f"{param}.image_url.url must be a string", param=param)
+        if url.startswith("mmkv://"):  # an uploaded id written as a URL
+            return ImageRef(image_id=url.removeprefix("mmkv://"), param=param)
+        return ImageRef(data=url, param=param)
+    if kind == "image_file":
+        ref = part.get("image_file")
+        file_id = ref.get("file_id") if isinstance(ref, dict) else None
+        if not isinstance(file_id, str) or not file_id:
+            raise InvalidRequestError(f"{param}.image_file.file_id must be a non-empty string", param=param)
+        return ImageRef(image_id=file_id, param=param)
+    data = part.get("image")
+    if isinstance(data, str) and not data.startswith("data:"):
+        return ImageRef(image_id=data, param=param)
+    return ImageRef(data=data, param=param)
+
+
+def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef]]:
+    """Validate `messages`; return template messages (images as {"type": "image"}) and image refs."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
+    out, refs = [], []
+    for i, msg in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise InvalidRequestError(f"{param} must be an object", param=param)
+        role = msg.get("role")
+        if role not in ROLES:
+            raise InvalidRequestError(f"{param}.role must be one of {', '.join(ROLES)}", param=f"{param}.role")
+        content = msg.get("content")
+        if content is None:
+            content = ""
+        if isinstance(content, str):
+            out.append({"role": role, "content": _text(content, f"{param}.content")})
+            continue
+        if not isinstance(content, list):
+            raise InvalidRequestError(f"{param}.content must be a string or a list of parts", param=f"{param}.content")
+        parts = []
+        for j, part in enumerate(content):
+            pparam = f"{param}.content[{j}]"
+            if isinstance(part, Image.Image):
+                part = {"type": "image", "image": part}
+            if not isinstance(part, dict):
+                raise InvalidRequestError(f"{pparam} must be an object", param=pparam)
+            kind = part.get("type")
+            if kind == "text":
+                parts.append({"type": "text", "text": _text(part.get("text"), f"{pparam}.text")})
+            elif kind in ("image_url", "image_file", "image"):
+                if role not in ("user", "system"):
+                    raise InvalidRequestError(f"{pparam}: images are accepted in user and system messages only",
+                                              param=pparam)
+                refs.append(_image_part(part, pparam))
+                parts.append({"type": "image"})
+            else:
+                raise InvalidRequestError(f"{pparam}.type {kind!r} is not supported; use text, image_url or image_file",
+                                          param=f"{pparam}.type")
+        out.append({"role": role, "content": parts})
+    return out, refs
