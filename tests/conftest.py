@@ -1,0 +1,30 @@
+"""Tiny random checkpoints of each family, built from config once per test session."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from mmkv.tiny import FAMILIES, save_tiny_checkpoint
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {fam: save_tiny_checkpoint(fam, root / fam, seed=3) for fam in FAMILIES}
+
+
+def make_png(width: int, height: int, color=(200, 30, 30), seed: int = 0) -> bytes:
+    """A small test picture: a coloured rectangle and a circle on grey, PNG bytes."""
+    img = Image.new("RGB", (width, height), (128 + seed % 50, 128, 128))
+    draw = ImageDraw.Draw(img)
+    draw.rectangle([width // 8, height // 8, width // 2, height // 2], fill=color)
+    draw.ellipse([width // 2, height // 2, width - 4, height - 4], fill=(20, 20, 220 - seed % 100))
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return buf.getvalue()

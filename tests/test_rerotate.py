@@ -1,0 +1,114 @@
+"""Re-rotation: keys computed at P and moved to P' equal keys computed at P' by the model itself."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from mmkv.adapters import load_adapter
+from mmkv.errors import RopeNotComposableError
+from mmkv.rerotate import reposition_keys, target_positions
+from mmkv.splice import precompile_image
+from mmkv.tiny import FAMILIES, build_tokenizer, save_tiny_checkpoint
+
+from conftest import make_png
+
+TOL = 1e-5  # float32
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_dirs):
+    return {fam: load_adapter(d, dtype=torch.float32, device="cpu") for fam, d in tiny_dirs.items()}
+
+
+def test_axis_maps_match_transformers_rotary(adapters):
+    """For positions moving along one axis only, the model's cos differs from 1 exactly on the
+    frequencies the layout assigns to that axis."""
+    for fam, ad in adapters.items():
+        rotary = ad.language_model.rotary_emb
+        for axis in range(3):
+            pos = torch.zeros(3, 1, 1, dtype=torch.long)
+            pos[axis] = 7
+            cos, _ = rotary(torch.zeros(1, dtype=torch.float32), pos)
+            half = cos.shape[-1] // 2
+            moved = (cos[0, 0, :half] - 1).abs() > 1e-6
+            assert torch.equal(moved, ad.rope.axis_of_freq == axis), (fam, axis)
+    assert adapters["qwen2_5_vl"].rope.axis_of_freq.tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
+    assert adapters["qwen3_vl"].rope.axis_of_freq.tolist() == [0, 1, 2, 0, 1, 2, 0, 0]
+
+
+def _chunk_at(ad, grid, feats, anchor, shift_by_axis):
+    """Prefill anchor + image span in isolation with every position shifted by (dt, dh, dw)."""
+    span = ad.image_span_ids(grid)
+    ids = torch.cat((anchor, span))
+    pos = ad.native_positions(ids, [grid]) + torch.tensor(shift_by_axis).view(3, 1)
+    cache = ad.new_cache()
+    ad.forward(ids, pos, cache, feats)
+    a = anchor.numel()
+    return pos[:, a:], [layer.keys[0, :, a:] for layer in cache.layers]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("policy", ["native", "temporal"])
+@pytest.mark.parametrize("delta", [-9, 1, 5, 40, 300, 4000])
+def test_reposition_equals_direct_prefill(adapters, family, policy, delta):
+    ad = adapters[family]
+    pixels, grid = ad.preprocess_image(Image.open(io.BytesIO(make_png(90, 60))))
+    feats = ad.encode_image(pixels, grid)
+    anchor = torch.tensor(ad.tokenizer("<|im_start|>user\n")["input_ids"])
+    base = 50  # room for negative deltas
+    src_pos, src_keys = _chunk_at(ad, grid, feats, anchor, (base, base, base))
+    shift = (base + delta,) * 3 if policy == "native" else (base + delta, base, base)
+    dst_pos, dst_keys = _chunk_at(ad, grid, feats, anchor, shift)
+    native_target = src_pos + delta
+    assert torch.equal(target_positions(native_target, src_pos, policy), dst_pos)
+    worst = max((reposition_keys(k, src_pos, dst_pos, ad.rope) - d).abs().max().item()
+                for k, d in zip(src_keys, dst_keys))
+    # The model itself computes angles as float32 position * inv_freq: past ~1k positions its own
+    # keys carry a rounding of ~position * 2^-24 rad, which bounds any comparison with them.
+    key_scale = max(k.abs().max().item() for k in dst_keys)
+    far = dst_pos.max().item() >= 1024
+    tol = 4 * dst_pos.max().item() * 2**-24 * key_scale if far else TOL
+    print(f"{family} {policy} delta={delta}: max |diff| {worst:.2e} (tol {tol:.1e})")
+    assert worst <= tol, f"{family} {policy} delta={delta}: max |diff| {worst:.2e} > {tol:.1e}"
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_temporal_only_rotation_is_wrong_against_native_positions(adapters, family):
+    """MECHANISM.md 2: rotating only temporal channels is as wrong as no rotation against native
+    positions; the test guards that the two policies really differ."""
+    ad = adapters[family]
+    pixels, grid = ad.preprocess_image(Image.open(io.BytesIO(make_png(90, 60))))
+    feats = ad.encode_image(pixels, grid)
+    entry = precompile_image(ad, feats, grid, "k", torch.empty(0, dtype=torch.long))
+    native = entry.position_ids + 30
+    _, direct = _chunk_at(ad, grid, feats, torch.empty(0, dtype=torch.long), (30, 30, 30))
+    temporal_only = target_positions(native, entry.position_ids, "temporal")
+    wrong = max((reposition_keys(k, entry.position_ids, temporal_only, ad.rope) - d).abs().max().item()
+                for k, d in zip(entry.keys, direct))
+    right = max((reposition_keys(k, entry.position_ids, native, ad.rope) - d).abs().max().item()
+                for k, d in zip(entry.keys, direct))
+    assert right <= TOL and wrong > 100 * TOL
+
+
+def test_reposition_keeps_dtype_and_is_identity_at_zero(adapters):
+    ad = adapters["qwen2_5_vl"]
+    k = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    pos = torch.arange(5).expand(3, 5)
+    assert reposition_keys(k, pos, pos, ad.rope) is k
+    moved = reposition_keys(k, pos, pos + 3, ad.rope)
+    assert moved.dtype == torch.bfloat16
+    back = reposition_keys(moved.float(), pos + 3, pos, ad.rope)
+    torch.testing.assert_close(back, k.float(), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
+                                  {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024}])
+def test_non_composable_rope_is_refused(tmp_path, rope):
+    params = {"rope_theta": 10000.0, "mrope_section": [2, 3, 3], **rope}
+    d = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "m", text={"rope_parameters": params})
+    with pytest.raises(RopeNotComposableError, match="does not compose"):
+        load_adapter(d, dtype=torch.float32, device="cpu")
