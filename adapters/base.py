@@ -66,6 +66,7 @@ class VLAdapter:
 
     def __init__(self, model, processor):
         self.model = model.eval()
+        self.family = model.config.model_type
         self.processor = processor
         self.config = model.config
         self.text_config = model.config.text_config

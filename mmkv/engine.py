@@ -110,6 +110,14 @@ class GenerationResult:
 
 
 @dataclass
+class SplicePlan:
+    input_ids: torch.Tensor  # [L]
+    positions: torch.Tensor  # [3, L] with each chunk at its policy's target
+    native_positions: torch.Tensor  # [3, L] the model's own
+    placements: list[Placement]
+
+
+@dataclass
 class _Registered:
     decoded: DecodedImage
     pixel_values: torch.Tensor
@@ -332,17 +340,34 @@ class Engine:
             out += pad * self.adapter.image_token_count(reg.grid_thw) + piece
         return self._tokenize(out)
 
-    def _prefill_reuse(self, input_ids, positions, regs, tenant, seam, policy):
-        """Splice every image from the cache. Returns the prefill, the image tokens reused and the
-        position ids used (each chunk at its policy's target)."""
+    def splice_plan(self, messages, rope_policy: str | None = None, tenant: str = "") -> SplicePlan:
+        """Tokens, positions and chunk placements the reuse path would prefill for `messages`
+        (images precompiled on a miss). For oracles, evaluations and tests."""
+        template, refs = parse_messages(messages)
+        with self._lock:
+            regs = self._resolve(refs, tenant)
+            input_ids = self._prompt_ids(template, regs)
+            native = self.adapter.native_positions(input_ids, [r.grid_thw for r in regs])
+            placements, positions = self._place(input_ids, native, regs, tenant, check_policy(rope_policy or
+                                                                                               self.settings.rope_policy))
+            return SplicePlan(input_ids, positions, native, placements)
+
+    def _place(self, input_ids, native, regs, tenant, policy) -> tuple[list[Placement], torch.Tensor]:
+        """A placement per image (cached KV, precompiled on a miss) and the sequence's position ids
+        with each chunk at its policy's target."""
         spans = self.adapter.image_spans(input_ids)
         assert len(spans) == len(regs), "one span per referenced image"
         placements = []
         for (start, end), reg in zip(spans, regs):
             entry, _ = self._cached_chunk(reg, tenant)
-            target = target_positions(positions[:, start:end], entry.position_ids, policy)
+            target = target_positions(native[:, start:end], entry.position_ids, policy)
             placements.append(Placement(start, entry, target))
-        positions = self._query_positions(positions, placements)
+        return placements, self._query_positions(native, placements)
+
+    def _prefill_reuse(self, input_ids, positions, regs, tenant, seam, policy):
+        """Splice every image from the cache. Returns the prefill, the image tokens reused and the
+        position ids used."""
+        placements, positions = self._place(input_ids, positions, regs, tenant, policy)
         result = prefill_spliced(self.adapter, input_ids, positions, placements, seam)
         reused_image = sum(max(p.entry.num_tokens - 2 - max(seam - 1, 0), 0) for p in placements)
         return result, min(reused_image, result.reused_tokens), positions

@@ -64,17 +64,18 @@ def pad_features(entry: CachedImage, start: int, stop: int) -> ImageFeatures:
 
 
 def append_kv(cache: DynamicCache, entry: CachedImage, target: torch.Tensor, start: int, stop: int,
-              adapter: VLAdapter) -> None:
-    """Append the cached KV of chunk tokens [start, stop), re-rotated to `target` positions."""
+              adapter: VLAdapter, rotate: bool = True) -> None:
+    """Append the cached KV of chunk tokens [start, stop), re-rotated to `target` positions
+    (left where they were cached with `rotate=False`: the control that must be worse)."""
     src = entry.position_ids[:, start:stop]
-    dst = target[:, start:stop]
+    dst = target[:, start:stop] if rotate else src
     for layer, (k, v) in enumerate(zip(entry.keys, entry.values)):
         k = reposition_keys(k[:, start:stop], src, dst, adapter.rope)
         cache.update(k[None].to(adapter.device), v[None, :, start:stop].to(adapter.device), layer)
 
 
 def prefill_spliced(adapter: VLAdapter, input_ids: torch.Tensor, positions: torch.Tensor,
-                    placements: list[Placement], seam_tokens: int) -> PrefillResult:
+                    placements: list[Placement], seam_tokens: int, rotate: bool = True) -> PrefillResult:
     """Prefill `input_ids` [L] at `positions` [3, L] with every image span taken from `placements`.
 
     The result equals one forward pass over the same tokens and positions in which each chunk's
@@ -99,7 +100,7 @@ def prefill_spliced(adapter: VLAdapter, input_ids: torch.Tensor, positions: torc
             adapter.forward(p.entry.token_ids[:seam], p.target[:, :seam], cache, pad_features(p.entry, 0, seam))
             computed += seam
         if keep_end > seam:
-            append_kv(cache, p.entry, p.target, seam, keep_end, adapter)
+            append_kv(cache, p.entry, p.target, seam, keep_end, adapter, rotate)
             reused += keep_end - seam
         cursor = p.start + keep_end
     logits = adapter.forward(input_ids[cursor:], positions[:, cursor:], cache)
