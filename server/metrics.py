@@ -1,0 +1,87 @@
+"""Prometheus metrics, one registry per app so that several apps in one process (tests) never
+share counters. Request-level numbers are recorded by the handlers; engine-level counters
+(vision tower runs, image cache, evictions, cache bytes) are read from the worker's snapshot of
+`engine.stats()` at scrape time, so the engine stays the single source of truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# engine.stats() key -> (metric name, help, kind). Keys the engine does not report are skipped.
+_ENGINE_METRICS = {
+    "vision_tower_runs": ("mmkv:vision_tower_runs", "Vision tower forward passes (one per image encoded).", "counter"),
+    "image_cache_hits": ("mmkv:image_cache_hits", "Image lookups served from cached KV (items).", "counter"),
+    "image_cache_misses": ("mmkv:image_cache_misses", "Image lookups that had to encode (items).", "counter"),
+    "prefill_tokens": ("mmkv:prefill_tokens", "Tokens run through the language model at prefill.", "counter"),
+    "evictions": ("mmkv:cache_evictions", "Cache entries evicted to stay under the byte budget.", "counter"),
+    "reused_tokens": ("mmkv:reused_tokens", "Prompt tokens spliced from cached KV instead of computed.", "counter"),
+    "cache_bytes": ("mmkv:cache_bytes", "Bytes of KV held by the cache.", "gauge"),
+    "image_cache_entries": ("mmkv:image_cache_entries", "Images whose KV is cached.", "gauge"),
+    "registered_images": ("mmkv:registered_images", "Images registered with the engine, all tenants.", "gauge"),
+}
+
+
+class _EngineStatsCollector:
+    def __init__(self, stats: Callable[[], Mapping[str, Any]]):
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        for key, (name, doc, kind) in _ENGINE_METRICS.items():
+            if key in stats:
+                family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                yield family(name, doc, value=float(stats[key]))
+        if "image_cache_hits" in stats and "image_cache_misses" in stats:
+            queries = stats["image_cache_hits"] + stats["image_cache_misses"]
+            yield CounterMetricFamily("mmkv:image_cache_queries", "Image lookups (items).", value=float(queries))
+
+
+class ServerMetrics:
+    """Everything /metrics shows. Thread-safe (prometheus_client metrics are)."""
+
+    def __init__(self, engine_stats: Callable[[], Mapping[str, Any]], queue_depth: Callable[[], int]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("mmkv:requests", "HTTP requests by endpoint and status.",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("mmkv:time_to_first_token_seconds", "Request arrival to first token, queue wait included.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("mmkv:e2e_request_latency_seconds", "Request arrival to last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefix_queries = Counter("mmkv:prefix_cache_queries_tokens", "Prompt tokens looked up in the cache.",
+                                      registry=r)
+        self.prefix_hits = Counter("mmkv:prefix_cache_hits_tokens", "Prompt tokens served from cached KV.",
+                                   registry=r)
+        self.image_tokens_reused = Counter("mmkv:image_cache_hits_tokens", "Image tokens spliced from cached KV.",
+                                           registry=r)
+        self.generation_tokens = Counter("mmkv:generation_tokens", "Completion tokens generated.", registry=r)
+        self.cancelled = Counter("mmkv:requests_cancelled", "Generations stopped because the client went away.",
+                                 registry=r)
+        self.queue_depth = Gauge("mmkv:queue_depth", "Engine jobs waiting (not counting the running one).",
+                                 registry=r)
+        self.queue_depth.set_function(queue_depth)
+        r.register(_EngineStatsCollector(engine_stats))
+
+    def observe_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def observe_completion(self, *, ttft_s: float, e2e_s: float, prompt_tokens: int, cached_tokens: int,
+                           completion_tokens: int, image_tokens_reused: int) -> None:
+        self.ttft.observe(ttft_s)
+        self.e2e.observe(e2e_s)
+        self.prefix_queries.inc(prompt_tokens)
+        self.prefix_hits.inc(cached_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.image_tokens_reused.inc(image_tokens_reused)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,172 @@
+"""The one thread that owns the engine, and the bounded queue in front of it.
+
+The engine is not thread-safe, so every engine call (add an image, generate, drop an image)
+is a `Job` run here, one at a time, in arrival order. Async handlers `submit` a job and await
+its future; a full queue refuses at once (429) instead of letting latency grow without bound.
+Cancelling a job takes it out of the queue, or, if it is running, makes its `should_stop`
+return True so a generation ends at the next token.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmkv.errors import MMKVError
+
+log = logging.getLogger("mmkv.server")
+
+# fn(engine, should_stop) -> result; should_stop() turns True once the job is cancelled.
+JobFn = Callable[[Any, Callable[[], bool]], Any]
+
+
+class QueueFullError(MMKVError):
+    """The engine queue is at its bound; the client should retry later."""
+
+    http_status = 429
+    error_type = "rate_limit_error"
+    code = "queue_full"
+
+
+class WorkerStoppedError(MMKVError):
+    """The server is shutting down and takes no more engine work."""
+
+    http_status = 503
+    error_type = "server_error"
+    code = "shutting_down"
+
+
+class JobCancelledError(MMKVError):
+    """The job was cancelled (its client went away) before it ran."""
+
+    http_status = 499
+    error_type = "invalid_request_error"
+    code = "cancelled"
+
+
+@dataclass(eq=False)
+class Job:
+    fn: JobFn
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None  # perf_counter seconds, set by the worker
+    finished_at: float | None = None
+
+
+class EngineWorker:
+    """Runs jobs on one thread. `submit` and `cancel` are thread-safe; `stats` is the engine's
+    `stats()` as of the last finished job (read without touching the engine)."""
+
+    def __init__(self, engine, max_queue: int = 64):
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.engine = engine
+        self.max_queue = max_queue
+        self.stats: dict[str, Any] = {}
+        self._pending: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._running: Job | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="mmkv-engine", daemon=True)
+
+    def start(self) -> None:
+        self.stats = dict(self.engine.stats())
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Refuse new jobs, fail queued ones, cancel the running one and join the thread."""
+        with self._cond:
+            self._stopping = True
+            dropped = list(self._pending)
+            self._pending.clear()
+            if self._running is not None:
+                self._running.cancelled.set()
+            self._cond.notify_all()
+        for job in dropped:
+            _fail(job, WorkerStoppedError("the server is shutting down"))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def queue_depth(self) -> int:
+        """Jobs waiting, not counting the one running."""
+        return len(self._pending)
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None
+
+    def submit(self, fn: JobFn) -> Job:
+        """Queue `fn`; raises QueueFullError when `max_queue` jobs already wait."""
+        job = Job(fn)
+        with self._cond:
+            if self._stopping:
+                raise WorkerStoppedError("the server is shutting down")
+            if len(self._pending) >= self.max_queue:
+                raise QueueFullError(f"the engine queue is full ({self.max_queue} requests waiting); retry shortly")
+            self._pending.append(job)
+            self._cond.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Stop `job`: dequeue it if it waits, signal it if it runs; no-op once it finished."""
+        job.cancelled.set()
+        with self._cond:
+            try:
+                self._pending.remove(job)
+            except ValueError:
+                return
+        _fail(job, JobCancelledError("the request was cancelled"))
+
+    def _next(self) -> Job | None:
+        with self._cond:
+            while not self._pending and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            self._running = self._pending.popleft()
+            return self._running
+
+    def _loop(self) -> None:
+        while (job := self._next()) is not None:
+            if not job.future.set_running_or_notify_cancel():  # its future was cancelled while queued
+                with self._cond:
+                    self._running = None
+                continue
+            job.started_at = time.perf_counter()
+            try:
+                result, error = job.fn(self.engine, job.cancelled.is_set), None
+            except BaseException as exc:  # noqa: BLE001 - every failure goes back to its request
+                result, error = None, exc
+            job.finished_at = time.perf_counter()
+            # Stats first, then release: whoever the result wakes sees counters that include it.
+            self._refresh_stats()
+            with self._cond:
+                self._running = None
+            if error is None:
+                job.future.set_result(result)
+            else:
+                job.future.set_exception(error)
+
+    def _refresh_stats(self) -> None:
+        try:
+            self.stats = dict(self.engine.stats())
+        except Exception:  # noqa: BLE001 - metrics must never take the worker down
+            log.exception("engine.stats() failed")
+
+
+def _fail(job: Job, error: Exception) -> None:
+    """Settle a job that will never run (its future may already be cancelled)."""
+    if job.future.set_running_or_notify_cancel():
+        job.future.set_exception(error)
