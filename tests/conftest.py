@@ -24,7 +24,8 @@ def make_png(width: int, height: int, color=(200, 30, 30), seed: int = 0) -> byt
     img = Image.new("RGB", (width, height), (128 + seed % 50, 128, 128))
     draw = ImageDraw.Draw(img)
     draw.rectangle([width // 8, height // 8, width // 2, height // 2], fill=color)
-    draw.ellipse([width // 2, height // 2, width - 4, height - 4], fill=(20, 20, 220 - seed % 100))
+    if min(width, height) >= 16:
+        draw.ellipse([width // 2, height // 2, width - 4, height - 4], fill=(20, 20, 220 - seed % 100))
     buf = io.BytesIO()
     img.save(buf, "PNG")
     return buf.getvalue()
