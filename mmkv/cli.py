@@ -1,0 +1,134 @@
+"""The `mmkv` command. `mmkv serve` runs the OpenAI-compatible HTTP server; every flag also reads
+an MMKV_* environment variable (the flag wins). More commands join `app` as subcommands.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import logging.config
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(name="mmkv", help="Multimodal KV-cache reuse for vision-language models.",
+                  no_args_is_help=True, add_completion=False)
+
+log = logging.getLogger("mmkv.cli")
+
+# Attributes every LogRecord has; anything else on a record came from `extra=` and is logged as a field.
+_RECORD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName",
+                                                                           "color_message"}  # uvicorn's ANSI copy
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, then the record's extra fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
+            out.update(zip(("client", "method", "path", "http_version", "status"), record.args))
+        out.update({k: v for k, v in vars(record).items() if k not in _RECORD_ATTRS})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def logging_config(json_logs: bool, level: str) -> dict:
+    """One dictConfig for mmkv's and uvicorn's loggers, so all lines share a format."""
+    formatter = ({"()": JsonFormatter} if json_logs
+                 else {"format": "%(asctime)s %(levelname)-7s %(name)s: %(message)s"})
+    handler = {"class": "logging.StreamHandler", "formatter": "default", "stream": "ext://sys.stderr"}
+    logger = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"default": formatter},
+        "handlers": {"default": handler},
+        "loggers": {"mmkv": logger, "uvicorn": logger, "uvicorn.access": logger, "uvicorn.error": {"level": level.upper()}},
+    }
+
+
+@app.callback()
+def main() -> None:
+    """Multimodal KV-cache reuse for vision-language models."""
+
+
+@app.command()
+def serve(
+    model_dir: Annotated[Path | None, typer.Argument(
+        envvar="MMKV_MODEL_DIR", show_default=False,
+        help="Local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint dir. Default: the bundled sample model.")] = None,
+    host: Annotated[str, typer.Option(envvar="MMKV_HOST", help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(envvar="MMKV_PORT")] = 8000,
+    api_key: Annotated[list[str] | None, typer.Option(
+        "--api-key", envvar="MMKV_API_KEY",
+        help="Accepted bearer key; repeat for several (env: space-separated). Each key is its own tenant.")] = None,
+    seam_tokens: Annotated[int, typer.Option(envvar="MMKV_SEAM_TOKENS",
+                                             help="Tokens recomputed after each spliced chunk.")] = 1,
+    rope_policy: Annotated[str, typer.Option(envvar="MMKV_ROPE_POLICY",
+                                             help="How cached keys move to new positions.")] = "native",
+    cache_gb: Annotated[float, typer.Option(envvar="MMKV_CACHE_GB", help="KV cache budget, GiB.")] = 2.0,
+    max_pixels: Annotated[int | None, typer.Option(envvar="MMKV_MAX_PIXELS",
+                                                   help="Larger images are downscaled to this.")] = None,
+    min_pixels: Annotated[int | None, typer.Option(envvar="MMKV_MIN_PIXELS",
+                                                   help="Smaller images are upscaled to this.")] = None,
+    max_images_per_request: Annotated[int, typer.Option(envvar="MMKV_MAX_IMAGES_PER_REQUEST")] = 16,
+    max_queue: Annotated[int, typer.Option(envvar="MMKV_MAX_QUEUE",
+                                           help="Requests waiting for the engine before 429.")] = 64,
+    max_body_mb: Annotated[float, typer.Option(envvar="MMKV_MAX_BODY_MB", help="Largest request body (413).")] = 32.0,
+    file_store_gb: Annotated[float, typer.Option(envvar="MMKV_FILE_STORE_GB",
+                                                 help="Uploaded image bytes kept in memory.")] = 2.0,
+    allow_image_url_prefix: Annotated[list[str] | None, typer.Option(
+        "--allow-image-url-prefix", envvar="MMKV_ALLOW_IMAGE_URL_PREFIX",
+        help="Let image_url parts fetch URLs starting with this (e.g. https://img.example.com/ or "
+             "file:///srv/images/). Repeatable. Default: data: URLs only.")] = None,
+    max_tokens_default: Annotated[int, typer.Option(envvar="MMKV_MAX_TOKENS_DEFAULT",
+                                                    help="max_tokens when a request sets none.")] = 512,
+    device: Annotated[str | None, typer.Option(envvar="MMKV_DEVICE", help="cpu, cuda, cuda:1, ...")] = None,
+    dtype: Annotated[str | None, typer.Option(envvar="MMKV_DTYPE", help="float32, bfloat16, float16.")] = None,
+    log_json: Annotated[bool, typer.Option("--log-json", envvar="MMKV_LOG_JSON",
+                                           help="Log one JSON object per line.")] = False,
+    log_level: Annotated[str, typer.Option(envvar="MMKV_LOG_LEVEL")] = "info",
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (chat completions, files, models)."""
+    import uvicorn
+
+    from mmkv.engine import Engine
+    from mmkv.errors import MMKVError
+    from mmkv.server.app import ServerSettings, create_app
+
+    config = logging_config(log_json, log_level)
+    logging.config.dictConfig(config)
+    where = str(model_dir) if model_dir else "the bundled sample model"
+    log.info(f"loading {where}", extra={"model_dir": str(model_dir) if model_dir else None})
+    t0 = time.perf_counter()
+    try:
+        engine = Engine.from_pretrained(model_dir, dtype=dtype, device=device, seam_tokens=seam_tokens,
+                                        rope_policy=rope_policy, cache_bytes=int(cache_gb * (1 << 30)),
+                                        min_pixels=min_pixels, max_pixels=max_pixels)
+        settings = ServerSettings(
+            api_keys=tuple(api_key or ()), max_queue=max_queue, max_body_bytes=int(max_body_mb * (1 << 20)),
+            file_store_bytes=int(file_store_gb * (1 << 30)), max_images_per_request=max_images_per_request,
+            allowed_image_url_prefixes=tuple(allow_image_url_prefix or ()), default_max_tokens=max_tokens_default)
+    except (MMKVError, AssertionError, ValueError) as exc:
+        typer.echo(f"mmkv serve: {getattr(exc, 'message', None) or exc}", err=True)
+        raise typer.Exit(code=2) from None
+    log.info(f"loaded {engine.model_id} in {time.perf_counter() - t0:.1f}s",
+             extra={"model": engine.model_id, "load_s": round(time.perf_counter() - t0, 3)})
+    if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(f"listening on {host} with no --api-key: anyone who can reach it can use it")
+    log.info(f"OpenAI base URL: http://{host}:{port}/v1")
+    uvicorn.run(create_app(engine, settings), host=host, port=port, log_config=config, log_level=log_level.lower())
+
+
+if __name__ == "__main__":
+    app()
