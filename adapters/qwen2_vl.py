@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from mmkv.errors import ModelLoadError
+
 from .base import VLAdapter
 
 
@@ -17,5 +19,5 @@ class Qwen2VLAdapter(VLAdapter):
         """`mrope_section` [t, h, w] splits the frequencies into contiguous temporal, height and
         width groups (transformers' `recomposition_frequencies`: chunk i takes axis i % 3)."""
         if sum(section) != n_freq:
-            raise ValueError(f"mrope_section {section} does not cover {n_freq} rotary frequencies")
+            raise ModelLoadError(f"mrope_section {section} does not cover {n_freq} rotary frequencies")
         return torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)])
