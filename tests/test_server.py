@@ -1,0 +1,296 @@
+"""The HTTP server end to end: real uvicorn on a loopback port, driven by the official openai client.
+
+Oracle: every answer equals what `mmkv.Engine.generate` returns for the same messages and
+settings on a second engine loaded from the same checkpoint; the HTTP layer adds nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+import mmkv
+from mmkv.server.app import ServerSettings, create_app
+from mmkv.tiny import save_tiny_checkpoint
+
+MAX_TOKENS = 6
+
+
+# ------------------------------------------------------------------ harness (shared with test_server_errors)
+
+
+class LiveServer:
+    """uvicorn serving `app` on a free loopback port, in a thread of this process."""
+
+    def __init__(self, app):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def client(self, api_key: str = "unused", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics as {'name{label="v",...}': value}."""
+        out = {}
+        for family in text_string_to_metric_families(httpx.get(f"{self.base_url}/metrics").text):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def png_bytes(color: tuple[int, int, int], size: tuple[int, int] = (112, 112)) -> bytes:
+    image = Image.new("RGB", size, (255, 255, 255))
+    image.paste(color, (size[0] // 4, size[1] // 4, 3 * size[0] // 4, 3 * size[1] // 4))
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def image_file(file_id: str) -> dict:
+    return {"type": "image_file", "image_file": {"file_id": file_id}}
+
+
+def text(t: str) -> dict:
+    return {"type": "text", "text": t}
+
+
+def stream_text(client: openai.OpenAI, messages, **kw) -> tuple[str, str, object]:
+    """(text, finish_reason, usage) of a streamed completion."""
+    pieces, finish, usage = [], None, None
+    for chunk in client.chat.completions.create(model="tiny", messages=messages, stream=True,
+                                                stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    return "".join(pieces), finish, usage
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("tiny") / "tiny")
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    """A second engine on the same checkpoint: what the server must answer."""
+    return mmkv.Engine.from_pretrained(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def live(tiny_dir):
+    server = LiveServer(create_app(mmkv.Engine.from_pretrained(tiny_dir), ServerSettings()))
+    yield server
+    server.close()
+
+
+def expected(reference, messages, **kw):
+    return reference.generate(messages, max_new_tokens=MAX_TOKENS, temperature=0.0, **kw)
+
+
+# ------------------------------------------------------------------ tests
+
+
+def test_upload_three_turns_stream_and_reference(live, reference):
+    client = live.client()
+    red = png_bytes((220, 30, 30))
+    uploaded = client.files.create(file=("red.png", red, "image/png"), purpose="vision")
+    assert uploaded.id.startswith("img-") and uploaded.object == "file" and uploaded.purpose == "vision"
+    assert (uploaded.bytes, uploaded.filename) == (len(red), "red.png")
+    info = reference.image_info(reference.add_image(red))
+    assert (uploaded.width, uploaded.height, uploaded.image_tokens) == (info.width, info.height, info.image_tokens)
+    again = client.files.create(file=("copy.png", red, "image/png"), purpose="vision")
+    assert again.id == uploaded.id
+    assert live.metrics()["mmkv:vision_tower_runs_total"] == 1
+
+    turn1 = [{"role": "user", "content": [image_file(uploaded.id), text("what color is the shape ?")]}]
+    a1 = client.chat.completions.create(model="tiny", messages=turn1, max_tokens=MAX_TOKENS, temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": a1.choices[0].message.content},
+                     {"role": "user", "content": [text("and here ? "), image_file(uploaded.id), text("what shape is it ?")]}]
+    turn3 = [{"role": "system", "content": "You are a careful assistant. describe the image ."},
+             {"role": "user", "content": "how many shapes are there ?"},
+             {"role": "assistant", "content": "two"},
+             {"role": "user", "content": [text("look again at the shape"), image_file(uploaded.id)]}]
+
+    before = live.metrics()
+    cached_total = 0
+    for messages in (turn1, turn2, turn3):
+        want = expected(reference, messages)
+        got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        assert got.choices[0].message.content == want.text
+        assert got.choices[0].finish_reason == want.finish_reason
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens
+        assert got.usage.completion_tokens == want.usage.completion_tokens
+        assert got.usage.prompt_tokens_details.cached_tokens == want.usage.cached_tokens > 0
+        report = got.model_extra["mmkv"]
+        assert report["vision_tower_runs"] == 0 and report["image_tokens_reused"] == want.image_tokens_reused > 0
+        assert report["ttft_ms"] > 0
+        streamed, finish, usage = stream_text(client, messages, max_tokens=MAX_TOKENS, temperature=0)
+        assert (streamed, finish) == (want.text, want.finish_reason)
+        assert usage.prompt_tokens_details.cached_tokens == want.usage.cached_tokens
+        cached_total += 2 * want.usage.cached_tokens
+
+    after = live.metrics()
+    assert after["mmkv:vision_tower_runs_total"] == 1, "uploaded once, never re-encoded"
+    assert after["mmkv:prefix_cache_hits_tokens_total"] - before["mmkv:prefix_cache_hits_tokens_total"] == cached_total
+    key = 'mmkv:requests_total{endpoint="/v1/chat/completions",status="200"}'
+    assert after[key] - before.get(key, 0) == 6
+    assert after["mmkv:time_to_first_token_seconds_count"] - before.get("mmkv:time_to_first_token_seconds_count", 0) == 6
+    assert after["mmkv:image_cache_hits_tokens_total"] > before.get("mmkv:image_cache_hits_tokens_total", 0)
+
+    # reuse=false is the reference path: a full recompute, vision tower included.
+    want = expected(reference, turn3, reuse=False)
+    got = client.chat.completions.create(model="tiny", messages=turn3, max_tokens=MAX_TOKENS, temperature=0,
+                                         extra_body={"mmkv": {"reuse": False}})
+    assert got.choices[0].message.content == want.text
+    assert got.usage.prompt_tokens_details.cached_tokens == 0
+    assert got.model_extra["mmkv"]["vision_tower_runs"] == 1
+    assert got.model_extra["mmkv"]["image_tokens_reused"] == 0
+    assert live.metrics()["mmkv:vision_tower_runs_total"] == 2
+
+    # seam_tokens / rope_policy pass through to the engine unchanged.
+    want = expected(reference, turn1, seam_tokens=0, rope_policy="native")
+    got = client.chat.completions.create(model="tiny", messages=turn1, max_tokens=MAX_TOKENS, temperature=0,
+                                         extra_body={"mmkv": {"seam_tokens": 0, "rope_policy": "native"}})
+    assert got.choices[0].message.content == want.text
+    assert got.usage.prompt_tokens_details.cached_tokens == want.usage.cached_tokens
+
+    assert [f.id for f in client.files.list().data] == [uploaded.id]
+    assert client.files.content(uploaded.id).content == red
+    deleted = client.files.delete(uploaded.id)
+    assert deleted.deleted and deleted.id == uploaded.id
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="tiny", messages=turn1, max_tokens=MAX_TOKENS)
+    assert err.value.body["param"] == "messages[0].content[0].image_file.file_id"
+
+
+def test_data_url_sampling_and_stop_match_engine(live, reference):
+    client = live.client()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png_bytes((30, 30, 220)))}},
+                                             text("describe the image .")]}]
+    settings = dict(temperature=0.8, top_p=0.9, seed=7)
+    want = reference.generate(messages, max_new_tokens=MAX_TOKENS, **settings)
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, **settings)
+    assert got.choices[0].message.content == want.text
+    streamed, _, _ = stream_text(client, messages, max_completion_tokens=MAX_TOKENS, **settings)
+    assert streamed == want.text
+    # A stop string cut from the reference's own greedy answer: both must stop there.
+    greedy = reference.generate(messages, max_new_tokens=MAX_TOKENS, temperature=0.0).text
+    stop = greedy[len(greedy) // 2:][:2] or "x"
+    want = reference.generate(messages, max_new_tokens=MAX_TOKENS, temperature=0.0, stop=[stop])
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                         stop=[stop])
+    assert (got.choices[0].message.content, got.choices[0].finish_reason) == (want.text, want.finish_reason)
+    assert stream_text(client, messages, max_tokens=MAX_TOKENS, temperature=0, stop=stop)[:2] == (
+        want.text, want.finish_reason)
+
+
+def test_models_health_openapi(live):
+    assert [m.id for m in live.client().models.list().data] == ["tiny"]
+    health = httpx.get(f"{live.base_url}/health").json()
+    assert health["status"] == "ok" and health["model"] == "tiny"
+    schema = httpx.get(f"{live.base_url}/openapi.json").json()
+    assert {"/v1/chat/completions", "/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content",
+            "/v1/models"} <= set(schema["paths"])
+    assert "MMKVOptions" in schema["components"]["schemas"]
+
+
+def test_api_keys_scope_files_and_cache_per_key(tiny_dir):
+    live = LiveServer(create_app(mmkv.Engine.from_pretrained(tiny_dir), ServerSettings(api_keys=("key-a", "key-b"))))
+    try:
+        a, b = live.client("key-a"), live.client("key-b")
+        green = png_bytes((30, 200, 30))
+        file_a = a.files.create(file=("g.png", green, "image/png"), purpose="vision")
+        assert live.metrics()["mmkv:vision_tower_runs_total"] == 1
+        with pytest.raises(openai.NotFoundError):
+            b.files.retrieve(file_a.id)
+        with pytest.raises(openai.NotFoundError):
+            b.chat.completions.create(model="tiny", max_tokens=2, messages=[
+                {"role": "user", "content": [image_file(file_a.id), text("what color ?")]}])
+        assert b.files.list().data == []
+        # The same bytes under key-b: same content id, but no cache hit across keys.
+        file_b = b.files.create(file=("g.png", green, "image/png"), purpose="vision")
+        assert file_b.id == file_a.id
+        assert live.metrics()["mmkv:vision_tower_runs_total"] == 2
+        b.files.delete(file_b.id)
+        assert a.files.retrieve(file_a.id).id == file_a.id, "key-b's delete leaves key-a's file"
+        got = a.chat.completions.create(model="tiny", max_tokens=2, temperature=0, messages=[
+            {"role": "user", "content": [image_file(file_a.id), text("what color ?")]}])
+        assert got.model_extra["mmkv"]["vision_tower_runs"] == 0
+        assert httpx.get(f"{live.base_url}/health").status_code == 200
+    finally:
+        live.close()
+
+
+def test_mmkv_serve_command(tiny_dir):
+    """`mmkv serve` end to end: env vars read, the flag wins over its env var, the openai client works."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = dict(os.environ, MMKV_PORT="1", MMKV_API_KEY="sk-env", MMKV_MODEL_DIR=str(tiny_dir), MMKV_LOG_JSON="1")
+    proc = subprocess.Popen([sys.executable, "-m", "mmkv.cli", "serve", "--port", str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "mmkv serve did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-env", max_retries=0)
+        got = client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert got.usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert any('"logger": "mmkv.cli"' in line and "loaded" in line for line in lines), out
+
+
+def test_mmkv_serve_bad_model_dir_says_what_to_pass(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mmkv.cli", "serve", str(tmp_path / "missing")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "missing" in proc.stderr and "mmkv serve:" in proc.stderr
