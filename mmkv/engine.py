@@ -107,6 +107,7 @@ class GenerationResult:
     rope_policy: str
     reuse: bool
     fidelity: Fidelity | None = None
+    first_logits: torch.Tensor | None = None  # [V] float32, next-token logits after the prompt
 
 
 @dataclass
@@ -319,7 +320,8 @@ class Engine:
                 ttft_s=ttft, total_s=time.perf_counter() - t0, image_tokens_reused=reused_image,
                 lm_tokens_computed=prefill.computed_tokens,
                 vision_tower_runs=self._counters.vision_tower_runs - runs_before,
-                seam_tokens=seam, rope_policy=policy, reuse=reuse, fidelity=report)
+                seam_tokens=seam, rope_policy=policy, reuse=reuse, fidelity=report,
+                first_logits=prefill.logits[0].cpu())
 
     def prompt_ids(self, messages, tenant: str = "") -> torch.Tensor:
         """The prompt's token ids [L] exactly as generate() builds them."""
@@ -368,7 +370,7 @@ class Engine:
         """Splice every image from the cache. Returns the prefill, the image tokens reused and the
         position ids used."""
         placements, positions = self._place(input_ids, positions, regs, tenant, policy)
-        result = prefill_spliced(self.adapter, input_ids, positions, placements, seam)
+        result = prefill_spliced(self.adapter, input_ids, positions, placements, seam, rotate=policy != "none")
         reused_image = sum(max(p.entry.num_tokens - 2 - max(seam - 1, 0), 0) for p in placements)
         return result, min(reused_image, result.reused_tokens), positions
 

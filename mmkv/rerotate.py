@@ -11,7 +11,7 @@ import torch
 
 from mmkv.adapters import RopeLayout
 
-POLICIES = ("native", "temporal")
+POLICIES = ("native", "temporal", "none")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -42,8 +42,10 @@ def target_positions(native: torch.Tensor, cached: torch.Tensor, policy: str) ->
 
     - native: exactly the model's own positions; under HF's scheme all three axes move together.
     - temporal: only the temporal axis moves; height and width stay image-intrinsic (as cached).
+    - none: the no-rotation control; the chunk sits at native positions but its keys are left as
+      cached (the splice is told not to rotate). It must measure worse.
     """
-    if policy == "native":
+    if policy in ("native", "none"):
         return native
     if policy == "temporal":
         return torch.stack((native[0], cached[1], cached[2]))

@@ -13,10 +13,26 @@ from mmkv.tiny import FAMILIES, save_tiny_checkpoint
 torch.set_num_threads(1)
 
 
+# A random model with default init barely uses position (near-uniform attention), so a wrong
+# rotation would go unnoticed. A low rope_theta and larger init make the test models sensitive.
+INIT = 0.1
+
+
+def _rope(family: str) -> dict:
+    if family == "qwen3_vl":
+        return {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+    return {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [2, 3, 3]}
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    return {fam: save_tiny_checkpoint(fam, root / fam, seed=3) for fam in FAMILIES}
+    return {
+        fam: save_tiny_checkpoint(fam, root / fam, seed=3, initializer_range=INIT,
+                                  text={"rope_parameters": _rope(fam), "initializer_range": INIT},
+                                  vision={"initializer_range": INIT})
+        for fam in FAMILIES
+    }
 
 
 def make_png(width: int, height: int, color=(200, 30, 30), seed: int = 0) -> bytes:

@@ -225,3 +225,15 @@ def test_model_dir_errors(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ModelLoadError, match="unsupported architecture"):
         Engine.from_pretrained(tmp_path)
+
+
+def test_no_rotate_policy_is_the_worse_control(engine):
+    """rope_policy="none" splices cached keys unrotated: further from full recompute than native."""
+    image_id = engine.add_image(make_png(84, 112, seed=50))
+    msgs = [{"role": "system", "content": "a long system prompt that pushes the image far along . " * 3},
+            {"role": "user", "content": [_ref(image_id), {"type": "text", "text": "what shape is it ?"}]}]
+    full = engine.generate(msgs, max_new_tokens=1, reuse=False).first_logits
+    native = engine.generate(msgs, max_new_tokens=1, seam_tokens=0).first_logits
+    none = engine.generate(msgs, max_new_tokens=1, seam_tokens=0, rope_policy="none").first_logits
+    assert (none - native).abs().max() > 1e-3
+    assert (none - full).abs().max() > (native - full).abs().max()

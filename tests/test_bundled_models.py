@@ -1,0 +1,90 @@
+"""The two bundled tiny checkpoints load offline through the Auto classes and answer as stored."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "samples" / "models"
+EXPECTATIONS = MODELS / "expected_answers.json"
+FAMILIES = {"qwen2_5_vl-tiny": "qwen2_5_vl", "qwen3_vl-tiny": "qwen3_vl"}
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _dir_or_skip(name: str) -> Path:
+    d = MODELS / name
+    if not (d / "model.safetensors").exists():
+        pytest.skip(f"bundled checkpoint {d.relative_to(ROOT)} does not exist yet (train it with samples/train.py)")
+    return d
+
+
+def _load(d: Path):
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(d, local_files_only=True)
+    model = AutoModelForImageTextToText.from_pretrained(d, local_files_only=True, dtype=torch.float32)
+    return model.eval(), processor
+
+
+def _answer(model, processor, image_path: Path, question: str) -> str:
+    import torch
+    from PIL import Image
+
+    with Image.open(image_path) as im:
+        image = im.convert("RGB")
+    msgs = [{"role": "system", "content": [{"type": "text", "text": "You are a helpful assistant."}]},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    text = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    enc = processor(text=[text], images=[image], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=6, do_sample=False)
+    return processor.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_checkpoint_loads_offline(name):
+    d = _dir_or_skip(name)
+    size = sum(p.stat().st_size for p in d.iterdir() if p.is_file())
+    assert size <= 20 * 1024 * 1024, f"{name} is {size / 1e6:.1f} MB"
+    model, processor = _load(d)
+    assert model.config.model_type == FAMILIES[name]
+    assert processor.chat_template and "<|vision_start|>" in processor.chat_template
+    text_cfg = model.config.text_config
+    assert text_cfg.eos_token_id is not None and text_cfg.pad_token_id is not None
+    assert text_cfg.bos_token_id is not None
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_checkpoint_answers_as_stored(name):
+    d = _dir_or_skip(name)
+    if not EXPECTATIONS.exists():
+        pytest.skip("no samples/models/expected_answers.json yet")
+    expected = json.loads(EXPECTATIONS.read_text()).get(name)
+    if not expected:
+        pytest.skip(f"no stored answers for {name}")
+    assert len(expected) == 20
+    model, processor = _load(d)
+    got = {k: _answer(model, processor, ROOT / v["image"], v["question"]) for k, v in expected.items()}
+    assert got == {k: v["answer"] for k, v in expected.items()}
+
+
+def test_training_command_smoke(tmp_path):
+    """A few steps of the training command produce a checkpoint the Auto classes load."""
+    out = tmp_path / "ckpt"
+    cmd = [sys.executable, str(ROOT / "samples" / "train.py"), "--family", "qwen2_5_vl", "--out", str(out),
+           "--steps", "3", "--batch", "4", "--eval-every", "1000"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    state = json.loads((out / "train_state.json").read_text())
+    assert state["steps"] == 3 and state["final"]
+    model, processor = _load(out)
+    assert model.config.model_type == "qwen2_5_vl"
+    assert _answer(model, processor, ROOT / "samples" / "vqa" / "images" / "color-000.png", "what color is the shape ?") is not None
