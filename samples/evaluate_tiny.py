@@ -1,0 +1,192 @@
+"""Accuracy of the bundled tiny models on the committed VQA set: full recompute, greedy decoding.
+
+    python samples/evaluate_tiny.py                                  # both bundled models, markdown table
+    python samples/evaluate_tiny.py --model samples/models/qwen2_5_vl-tiny --json /tmp/r.json
+    python samples/evaluate_tiny.py --write-expectations             # refresh samples/models/expected_answers.json
+
+Every item is asked in a fresh conversation (system turn, then the image and the question in one
+user turn) through plain transformers: ``AutoProcessor`` + ``AutoModelForImageTextToText`` and
+``model.generate`` with greedy decoding. The *shuffled* control asks each question about another
+item's image of the same type (a seeded derangement), so the question's form stays right but the
+picture is wrong; a model that looks at the image falls to chance there. *chance* is the accuracy of
+the best constant answer per type on this set (at least 1 / number of possible answers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from mmkv.vqa_eval.dataset import ANSWERS, CATEGORIES, TYPES, VQAItem, load_vqa_set  # noqa: E402
+
+MODELS = [ROOT / "samples" / "models" / "qwen2_5_vl-tiny", ROOT / "samples" / "models" / "qwen3_vl-tiny"]
+SET = ROOT / "samples" / "vqa"
+EXPECTATIONS = ROOT / "samples" / "models" / "expected_answers.json"
+SYSTEM = "You are a helpful assistant."
+
+
+def load(model_dir: str | Path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    model.eval()
+    return model, processor
+
+
+@torch.no_grad()
+def answer(model, processor, image, question: str, system: str = SYSTEM, max_new_tokens: int = 6) -> tuple[str, float]:
+    """Greedy answer and the first token's logit margin (top-1 minus top-2)."""
+    msgs = [{"role": "system", "content": [{"type": "text", "text": system}]},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    text = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    enc = processor(text=[text], images=[image], return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True)
+    new = out.sequences[0, enc["input_ids"].shape[1]:]
+    top2 = out.scores[0][0].float().topk(2).values
+    return processor.tokenizer.decode(new, skip_special_tokens=True).strip(), float(top2[0] - top2[1])
+
+
+def derangement(n: int, rng: random.Random) -> list[int]:
+    while True:
+        p = list(range(n))
+        rng.shuffle(p)
+        if n < 2 or all(i != j for i, j in enumerate(p)):
+            return p
+
+
+def chance(items: list[VQAItem], qtype: str) -> float:
+    ans = [it.answer for it in items if it.type == qtype]
+    best = max(ans.count(a) for a in set(ans)) / len(ans)
+    return max(best, 1 / len(ANSWERS[qtype]))
+
+
+def evaluate(model_dir: Path, items: list[VQAItem], shuffle_seed: int = 4321) -> dict:
+    model, processor = load(model_dir)
+    n_params = sum(p.numel() for p in model.parameters())
+    images = {it.id: it.load_image() for it in items}
+    t0 = time.time()
+    preds = {it.id: answer(model, processor, images[it.id], it.question) for it in items}
+    t_full = time.time() - t0
+    # shuffled control: images deranged within each type
+    rng = random.Random(shuffle_seed)
+    shuffled = {}
+    for t in TYPES:
+        group = [it for it in items if it.type == t]
+        perm = derangement(len(group), rng)
+        for it, j in zip(group, perm):
+            shuffled[it.id] = answer(model, processor, images[group[j].id], it.question)[0]
+    table = {}
+    for t in TYPES:
+        group = [it for it in items if it.type == t]
+        if not group:
+            continue
+        table[t] = {
+            "n": len(group),
+            "accuracy": sum(preds[it.id][0] == it.answer for it in group) / len(group),
+            "shuffled": sum(shuffled[it.id] == it.answer for it in group) / len(group),
+            "chance": chance(items, t),
+        }
+    cats = {}
+    for c, ts in CATEGORIES.items():
+        group = [it for it in items if it.type in ts]
+        cats[c] = {"n": len(group), "accuracy": sum(preds[it.id][0] == it.answer for it in group) / len(group),
+                   "shuffled": sum(shuffled[it.id] == it.answer for it in group) / len(group)}
+    state = {}
+    if (model_dir / "train_state.json").exists():
+        st = json.loads((model_dir / "train_state.json").read_text())
+        state = {k: st.get(k) for k in ("steps", "elapsed_s", "command", "batch", "threads")}
+    size = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file())
+    return {"model": model_dir.name, "params": n_params, "dir_bytes": size, "seconds_full": round(t_full, 1),
+            "types": table, "categories": cats, "train": state,
+            "predictions": {k: {"answer": v[0], "margin": round(v[1], 3)} for k, v in preds.items()},
+            "shuffled_predictions": shuffled}
+
+
+def markdown(results: list[dict]) -> str:
+    lines = []
+    head = "| type | category | n | " + " | ".join(f"{r['model']} acc | shuffled" for r in results) + " | chance |"
+    lines.append(head)
+    lines.append("|" + "---|" * (4 + 2 * len(results)))
+    for t in TYPES:
+        if t not in results[0]["types"]:
+            continue
+        cat = next(c for c, ts in CATEGORIES.items() if t in ts)
+        row = f"| {t} | {cat} | {results[0]['types'][t]['n']} | "
+        row += " | ".join(f"{r['types'][t]['accuracy']:.3f} | {r['types'][t]['shuffled']:.3f}" for r in results)
+        row += f" | {results[0]['types'][t]['chance']:.3f} |"
+        lines.append(row)
+    for c in CATEGORIES:
+        row = f"| **all {c}** | {c} | {results[0]['categories'][c]['n']} | "
+        row += " | ".join(f"{r['categories'][c]['accuracy']:.3f} | {r['categories'][c]['shuffled']:.3f}" for r in results)
+        row += " | |"
+        lines.append(row)
+    lines.append("")
+    for r in results:
+        tr = r.get("train") or {}
+        lines.append(f"- `{r['model']}`: {r['params'] / 1e6:.2f}M parameters, checkpoint dir {r['dir_bytes'] / 1e6:.1f} MB, "
+                     f"{tr.get('steps')} steps of batch {tr.get('batch')} in {((tr.get('elapsed_s') or 0) / 60):.0f} min "
+                     f"on {tr.get('threads')} CPU thread(s); full-recompute eval of {sum(v['n'] for v in r['types'].values())} items "
+                     f"took {r['seconds_full']} s.")
+    return "\n".join(lines)
+
+
+def fixed_items(items: list[VQAItem], per_type: int = 2) -> list[VQAItem]:
+    """The items the bundled-model test checks: the first ``per_type`` of each type, plus photos to 20."""
+    out = []
+    for t in TYPES:
+        out += [it for it in items if it.type == t][:per_type]
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="accuracy table of the bundled tiny models")
+    ap.add_argument("--model", action="append", default=None, help="checkpoint dir (repeatable)")
+    ap.add_argument("--set", default=str(SET))
+    ap.add_argument("--shuffle-seed", type=int, default=4321)
+    ap.add_argument("--limit", type=int, default=None, help="only the first N items of each type (a quick look)")
+    ap.add_argument("--json", default=None, help="write the full results here")
+    ap.add_argument("--write-expectations", action="store_true",
+                    help=f"store the answers to the fixed test items in {EXPECTATIONS.relative_to(ROOT)}")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    items = load_vqa_set(args.set)
+    if args.limit:
+        items = [it for t in TYPES for it in [i for i in items if i.type == t][: args.limit]]
+    dirs = [Path(m) for m in args.model] if args.model else [m for m in MODELS if m.exists()]
+    results = [evaluate(d, items, args.shuffle_seed) for d in dirs]
+    print(markdown(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.write_expectations:
+        photos = Path(args.set) / "photos" / "photos.jsonl"
+        exp = json.loads(EXPECTATIONS.read_text()) if EXPECTATIONS.exists() else {}
+        fixed = fixed_items(items)
+        extra = load_vqa_set(photos)[: 20 - len(fixed)] if photos.exists() else []
+        for d, r in zip(dirs, results):
+            model, processor = load(d)
+            entry = {}
+            for it in fixed:
+                entry[it.id] = {"question": it.question, "image": str(Path(it.image).relative_to(ROOT)),
+                                "answer": r["predictions"][it.id]["answer"], "margin": r["predictions"][it.id]["margin"]}
+            for it in extra:
+                a, m = answer(model, processor, it.load_image(), it.question)
+                entry[it.id] = {"question": it.question, "image": str(Path(it.image).relative_to(ROOT)),
+                                "answer": a, "margin": round(m, 3)}
+            exp[d.name] = entry
+        EXPECTATIONS.write_text(json.dumps(exp, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {EXPECTATIONS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""Train one of the tiny bundled vision-language models from scratch on the synthetic VQA task.
+
+    python samples/train.py --family qwen2_5_vl --out samples/models/qwen2_5_vl-tiny --minutes 60 --seed 7
+    python samples/train.py --family qwen3_vl   --out samples/models/qwen3_vl-tiny   --minutes 60 --seed 7
+    python samples/train.py --family qwen2_5_vl --out /tmp/smoke --steps 20          # smoke run
+
+The model is the real architecture (Qwen2.5-VL: sectioned M-RoPE; Qwen3-VL: interleaved M-RoPE and
+deepstack) at a small size, built with :mod:`mmkv.tiny`. Training data are conversations rendered
+with the processor's chat template: a system turn, 0-3 earlier user turns (image + question) with
+their answers, then a question about the image in the last user turn. The loss covers the answer
+tokens (and the closing ``<|im_end|>``) of every assistant turn, so every image is supervised and
+images are seen at many positions. Images come from :mod:`mmkv.vqa_eval.dataset` on the fly, with
+string seeds ``"train-<seed>-<step>"`` that never meet the integer seeds of the evaluation set.
+
+Curriculum: the share of *varied* scenes (evaluation layout) rises from 0 to ``--max-level`` over the
+first half of the run; the rest are *easy* scenes (square canvas, 2 x 2 grid aligned with the vision
+tokens, fixed object size). AdamW, linear warm-up, cosine decay. ``--minutes`` is a wall-clock budget:
+the schedule runs on ``max(step / steps, elapsed / budget)``, so the step count depends on the
+machine; ``--steps N`` alone gives a fixed, seeded schedule. Runs on one CPU thread by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mmkv import tiny
+from mmkv.vqa_eval import dataset as D
+
+#: Token grid bounds per family: about 16 to 30 merged vision tokens per image.
+GRID = {
+    "qwen2_5_vl": dict(factor=28, min_pixels=112 * 112, max_pixels=154 * 154),
+    "qwen3_vl": dict(factor=32, min_pixels=128 * 128, max_pixels=176 * 176),
+}
+SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "You are a helpful assistant.",
+    "You are a helpful assistant. Answer with one word.",
+    "you look at images and answer each question with one word .",
+)
+IGNORE = -100
+
+
+def tokenizer_corpus() -> list[str]:
+    """Text the BPE is trained on: chat scaffolding, system prompts, questions, answers (weighted)."""
+    scaffold = "<|im_start|>system\n{s}<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n"
+    out: list[str] = list(tiny.DEFAULT_CORPUS)
+    answers = sorted({a for ans in D.ANSWERS.values() for a in ans})
+    for k in range(30):
+        for s in SYSTEM_PROMPTS:
+            out.append(s)
+        out.append(scaffold.format(s=SYSTEM_PROMPTS[k % len(SYSTEM_PROMPTS)], q=D.all_questions()[k % 10], a=answers[k % len(answers)]))
+        out.extend(D.all_questions())
+        out.extend(answers)
+    return out
+
+
+def model_overrides(family: str) -> dict:
+    """LM 4 layers x 128 (head_dim 32, rope_theta 10), vision 3 blocks x 96, full attention."""
+    if family == "qwen3_vl":
+        rope = {"rope_type": "default", "rope_theta": 10.0, "mrope_section": [6, 5, 5], "mrope_interleaved": True}
+        vision = dict(depth=3, hidden_size=96, intermediate_size=192, num_heads=3, out_hidden_size=128,
+                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                      num_position_embeddings=144, deepstack_visual_indexes=[0, 1])
+    else:
+        rope = {"rope_type": "default", "rope_theta": 10.0, "mrope_section": [4, 6, 6]}
+        vision = dict(depth=3, hidden_size=96, intermediate_size=192, num_heads=3, out_hidden_size=128,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                      fullatt_block_indexes=[0, 1, 2])
+    text = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, rope_parameters=rope, max_position_embeddings=4096)
+    return {"text": text, "vision": vision}
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int,
+                 types: tuple[str, ...] = D.TYPES, color_jitter: int = 12):
+    """(messages, images, answers): system turn, ``n_turns - 1`` earlier Q/A turns, the final question."""
+    msgs: list[dict] = [{"role": "system", "content": [{"type": "text", "text": rng.choice(SYSTEM_PROMPTS)}]}]
+    images, answers = [], []
+    for _ in range(n_turns):
+        qtype = rng.choice(types)
+        scene, q, a = D.make_item(rng, qtype, level=level, easy_size=easy_size)
+        images.append(D.render(scene, rng, color_jitter=color_jitter))
+        answers.append(a)
+        msgs.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]})
+        msgs.append({"role": "assistant", "content": [{"type": "text", "text": a}]})
+    return msgs, images, answers
+
+
+def find_subseq(seq: list[int], pat: list[int]) -> list[int]:
+    """End indices (exclusive) of every occurrence of ``pat`` in ``seq``."""
+    n = len(pat)
+    return [i + n for i in range(len(seq) - n + 1) if seq[i:i + n] == pat]
+
+
+class Batcher:
+    def __init__(self, processor, family: str):
+        self.proc = processor
+        self.tok = processor.tokenizer
+        self.family = family
+        self.easy_size = GRID[family]["factor"] * 4
+        self.asst = self.tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+        self.im_end = self.tok.convert_tokens_to_ids("<|im_end|>")
+
+    def labels_for(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        labels = torch.full_like(ids, IGNORE)
+        for b in range(ids.shape[0]):
+            row = ids[b].tolist()
+            starts = find_subseq(row, self.asst)
+            if last_only:
+                starts = starts[-1:]
+            for s in starts:
+                e = s
+                while e < len(row) and row[e] != self.im_end:
+                    e += 1
+                labels[b, s:e + 1] = ids[b, s:e + 1]  # answer tokens and the closing <|im_end|>
+        return labels
+
+    def batch(self, rng: random.Random, size: int, level: float, max_turns: int = 4):
+        texts, images = [], []
+        n_turns = rng.randint(1, max_turns)  # one turn count per batch: little padding
+        for _ in range(size):
+            msgs, imgs, _ = conversation(rng, level, self.easy_size, n_turns)
+            texts.append(self.proc.apply_chat_template(msgs, tokenize=False))
+            images.extend(imgs)
+        enc = self.proc(text=texts, images=images, return_tensors="pt", padding=True)
+        enc["labels"] = self.labels_for(enc["input_ids"])
+        return enc
+
+
+# ----------------------------------------------------------------------------- quick eval
+
+
+def prompt_inputs(processor, image, question: str, system: str = "You are a helpful assistant."):
+    msgs = [{"role": "system", "content": [{"type": "text", "text": system}]},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    text = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return processor(text=[text], images=[image], return_tensors="pt")
+
+
+@torch.no_grad()
+def quick_eval(model, processor, items) -> dict[str, float]:
+    """Greedy first-token accuracy per type on (image, question, answer, type) tuples."""
+    model.eval()
+    tok = processor.tokenizer
+    hits: dict[str, list[int]] = {}
+    for img, q, a, t in items:
+        enc = prompt_inputs(processor, img, q)
+        logits = model(**enc).logits[0, -1]
+        want = tok.encode(a, add_special_tokens=False)[0]
+        hits.setdefault(t, []).append(int(int(logits.argmax()) == want))
+    model.train()
+    return {t: sum(v) / len(v) for t, v in hits.items()}
+
+
+def heldout(n_per_type: int, seed: int, level: float = 1.0):
+    """Validation items from string seeds (never the evaluation set's integer seeds)."""
+    out = []
+    for t in D.TYPES:
+        for i in range(n_per_type):
+            rng = random.Random(f"val-{seed}-{t}-{i}")
+            scene, q, a = D.make_item(rng, t, level=level)
+            out.append((D.render(scene, rng), q, a, t))
+    return out
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def save(model, processor, out: Path, state: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tok = processor.tokenizer
+    model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config.pad_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
+    model.generation_config.do_sample = False
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    (out / "train_state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="train a tiny Qwen-VL on the synthetic VQA task")
+    ap.add_argument("--family", choices=sorted(GRID), required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--minutes", type=float, default=None, help="wall-clock budget")
+    ap.add_argument("--steps", type=int, default=None, help="step budget (the schedule's length)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--max-level", type=float, default=0.85, help="final share of varied scenes")
+    ap.add_argument("--ramp", type=float, default=0.5, help="share of the run over which varied scenes phase in")
+    ap.add_argument("--save-every-min", type=float, default=8.0)
+    ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--resume", action="store_true", help="start from the weights in --out")
+    args = ap.parse_args(argv)
+    if args.minutes is None and args.steps is None:
+        ap.error("give --minutes and/or --steps")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+
+    grid = GRID[args.family]
+    tokenizer = tiny.build_tokenizer(tokenizer_corpus(), vocab_size=512)
+    processor = tiny.build_processor(args.family, tokenizer, grid["min_pixels"], grid["max_pixels"])
+    from transformers import AutoModelForImageTextToText
+
+    out = Path(args.out)
+    if args.resume:
+        model = AutoModelForImageTextToText.from_pretrained(out)
+    else:
+        config = tiny.tiny_config(args.family, tokenizer, **model_overrides(args.family))
+        model = AutoModelForImageTextToText.from_config(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{args.family}: {n_params / 1e6:.2f}M params, vocab {len(tokenizer)}", flush=True)
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
+    batcher = Batcher(processor, args.family)
+    val = heldout(12, args.seed)
+    budget_s = args.minutes * 60 if args.minutes else None
+    t0 = time.time()
+    last_save = t0
+    step, ema = 0, None
+    history = []
+
+    def progress() -> float:
+        p = 0.0
+        if args.steps:
+            p = max(p, step / args.steps)
+        if budget_s:
+            p = max(p, (time.time() - t0) / budget_s)
+        return min(p, 1.0)
+
+    def state(final: bool) -> dict:
+        return {"family": args.family, "seed": args.seed, "steps": step, "batch": args.batch, "lr": args.lr,
+                "minutes_budget": args.minutes, "steps_budget": args.steps, "elapsed_s": round(time.time() - t0, 1),
+                "threads": args.threads, "params": n_params, "final": final, "loss_ema": ema,
+                "max_pixels": grid["max_pixels"], "min_pixels": grid["min_pixels"],
+                "command": "python samples/train.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                "history": history[-50:]}
+
+    model.train()
+    while progress() < 1.0:
+        p = progress()
+        level = args.max_level * (min(1.0, p / args.ramp) if args.ramp > 0 else 1.0)
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        rng = random.Random(f"train-{args.seed}-{step}")
+        batch = batcher.batch(rng, args.batch, level)
+        loss = model(**batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        if step % 10 == 0 or step <= 3:
+            print(f"step {step} p={p:.3f} level={level:.2f} lr={lr:.2e} loss={loss.item():.4f} ema={ema:.4f} "
+                  f"t={time.time() - t0:.0f}s", flush=True)
+        if step % args.eval_every == 0:
+            acc = quick_eval(model, processor, val)
+            history.append({"step": step, "t": round(time.time() - t0), "loss_ema": round(ema, 4),
+                            **{k: round(v, 3) for k, v in acc.items()}})
+            print("eval", json.dumps(history[-1]), flush=True)
+        if time.time() - last_save > args.save_every_min * 60:
+            save(model, processor, out, state(final=False))
+            last_save = time.time()
+            print(f"saved {out} at step {step}", flush=True)
+    if step >= args.eval_every:  # (smoke runs skip it)
+        acc = quick_eval(model, processor, val)
+        history.append({"step": step, "t": round(time.time() - t0), "loss_ema": round(ema or 0, 4),
+                        **{k: round(v, 3) for k, v in acc.items()}})
+        print("eval", json.dumps(history[-1]), flush=True)
+    save(model, processor, out, state(final=True))
+    print(f"done: {step} steps in {time.time() - t0:.0f}s -> {out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
