@@ -130,5 +130,9 @@ def serve(
     uvicorn.run(create_app(engine, settings), host=host, port=port, log_config=config, log_level=log_level.lower())
 
 
+from mmkv.vqa_eval.cli import eval_command  # noqa: E402  (its heavy imports happen inside)
+
+app.command(name="eval")(eval_command)
+
 if __name__ == "__main__":
     app()
