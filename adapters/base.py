@@ -167,6 +167,25 @@ class VLAdapter:
     def _lm_kwargs(self, is_image: torch.Tensor, features: ImageFeatures | None) -> dict:
         return {}
 
+    def _run_lm(self, input_ids, position_ids, cache, features, attention_mask):
+        ids = input_ids.view(1, -1).to(self.device)
+        is_image = ids == self.image_token_id
+        embeds = self.language_model.embed_tokens(ids)
+        n_img = int(is_image.sum())
+        if n_img:
+            if features is None or features.embeds.shape[0] != n_img:
+                got = 0 if features is None else features.embeds.shape[0]
+                raise ValueError(f"{n_img} image-pad tokens but {got} image feature rows")
+            embeds = embeds.masked_scatter(is_image[..., None], features.embeds.to(self.device, embeds.dtype))
+        return self.language_model(
+            inputs_embeds=embeds,
+            position_ids=position_ids.view(3, 1, -1).to(self.device),
+            past_key_values=cache,
+            attention_mask=attention_mask.to(self.device, embeds.dtype) if attention_mask is not None else None,
+            use_cache=cache is not None,
+            **(self._lm_kwargs(is_image, features) if n_img else {}),
+        )
+
     @torch.no_grad()
     def forward(
         self,
@@ -183,25 +202,21 @@ class VLAdapter:
         [1, 1, L, past + L] (0 / -inf). Returns float32 logits [L, V] or, by default, [1, V]
         for the last token.
         """
-        ids = input_ids.view(1, -1).to(self.device)
-        is_image = ids == self.image_token_id
-        embeds = self.language_model.embed_tokens(ids)
-        n_img = int(is_image.sum())
-        if n_img:
-            if features is None or features.embeds.shape[0] != n_img:
-                got = 0 if features is None else features.embeds.shape[0]
-                raise ValueError(f"{n_img} image-pad tokens but {got} image feature rows")
-            embeds = embeds.masked_scatter(is_image[..., None], features.embeds.to(self.device, embeds.dtype))
-        out = self.language_model(
-            inputs_embeds=embeds,
-            position_ids=position_ids.view(3, 1, -1).to(self.device),
-            past_key_values=cache,
-            attention_mask=attention_mask.to(self.device, embeds.dtype) if attention_mask is not None else None,
-            use_cache=cache is not None,
-            **(self._lm_kwargs(is_image, features) if n_img else {}),
-        )
+        out = self._run_lm(input_ids, position_ids, cache, features, attention_mask)
         hidden = out.last_hidden_state[0] if all_logits else out.last_hidden_state[0, -1:]
         return self.model.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def forward_layers(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache,
+                       n_layers: int, features: ImageFeatures | None = None) -> None:
+        """Run only the first `n_layers` decoder layers, appending their KV to `cache` (used to
+        rank tokens by KV change at one layer). Not thread-safe: the engine's lock covers it."""
+        layers = self.language_model.layers
+        self.language_model.layers = layers[:n_layers]
+        try:
+            self._run_lm(input_ids, position_ids, cache, features, None)
+        finally:
+            self.language_model.layers = layers
 
     def fingerprint_source(self) -> str:
         """Text that identifies the model's computation: config and dtype."""

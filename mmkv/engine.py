@@ -1,8 +1,9 @@
-"""The engine: one model, its image registry and image-KV cache, and generation with reuse.
+"""The engine: one model, its image and skill registries, the KV store (image and skill chunks,
+prefix blocks) and generation with reuse.
 
 Life of a request (docs/structure.md): parse messages -> decode/hash images -> render the chat
-template -> lookup each image's KV (precompile on a miss) -> reposition -> splice -> seam repair
--> prefill the text -> decode -> stream text deltas.
+template -> lookup each chunk's KV (precompile on a miss) -> reposition -> prefix-cache lookup
+-> edit policy -> splice -> seam repair -> prefill the text -> decode -> stream text deltas.
 
 Thread-safety: every public method takes the engine's lock, so calls from several threads are
 serialised; the HTTP server still runs one worker that owns the engine.
@@ -10,8 +11,10 @@ serialised; the HTTP server still runs one worker that owns the engine.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,27 +23,43 @@ import torch
 import xxhash
 
 from mmkv.adapters import ImageFeatures, VLAdapter, load_adapter
+from mmkv.chunks import CachedChunk, chunk_cache_key
+from mmkv.edits import (
+    EditPolicy,
+    FieldChange,
+    RecentPrompt,
+    describe_change,
+    find_change,
+    insert_before_final_turn,
+    parse_edit_policy,
+    prefill_edited,
+)
 from mmkv.errors import InvalidRequestError, ModelLoadError, PromptTooLongError, UnknownImageError
-from mmkv.image_cache import CachedImage, ImageKVCache, image_cache_key
 from mmkv.images import DEFAULT_MAX_IMAGE_PIXELS, DecodedImage, decode_image
-from mmkv.messages import ImageRef, parse_messages
+from mmkv.kv_store import KVStore
+from mmkv.messages import ImageRef, SkillRef, erratum_line, parse_messages
+from mmkv.prefix_cache import PrefixCache, block_keys
 from mmkv.rerotate import POLICIES, target_positions
 from mmkv.sampling import next_token
-from mmkv.splice import Placement, PrefillResult, precompile_image, prefill_full, prefill_spliced
+from mmkv.splice import Placement, PrefillResult, precompile_chunk, precompile_image, prefill_full, prefill_spliced
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_MODEL = REPO_ROOT / "samples" / "models" / "qwen2_5_vl-tiny"
 ANCHORS = ("system", "none")
+RECENT_PROMPTS = 16  # per tenant and settings, for edit detection
 
 
 @dataclass(frozen=True)
 class EngineSettings:
     seam_tokens: int = 1
     rope_policy: str = "native"
-    cache_bytes: int = 2 << 30
-    anchor: str = "system"  # precompile images after the chat template's default system header
+    cache_bytes: int = 2 << 30  # one budget for image and skill chunks and prefix blocks
+    anchor: str = "system"  # precompile chunks after the chat template's default system header
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_context: int | None = None  # tokens; None = the model's max_position_embeddings
+    prefix_cache: bool = True
+    edit_max_tokens: int = 16  # longest substitution the edit detector treats as a field change
+    selective_layer: int = 1  # layer whose KV change ranks tokens for selective@K
 
     def __post_init__(self):
         check_seam_tokens(self.seam_tokens)
@@ -72,6 +91,14 @@ class ImageInfo:
     nbytes: int  # bytes of the source it was decoded from (0 for a PIL image)
 
 
+@dataclass(frozen=True)
+class SkillInfo:
+    skill_id: str
+    name: str
+    tokens: int
+    created_at: int
+
+
 @dataclass
 class Usage:
     prompt_tokens: int
@@ -93,6 +120,21 @@ class Fidelity:
 
 
 @dataclass
+class EditReport:
+    """What an edit policy did with a detected field change."""
+
+    policy: str
+    detected: bool
+    field: str = ""
+    old_value: str = ""
+    new_value: str = ""
+    changed_tokens: int = 0  # new value's tokens
+    recomputed_tokens: int = 0  # LM tokens computed for the prompt
+    reused_tokens: int = 0  # prompt tokens whose KV came from a cache
+    erratum: str = ""  # the erratum line appended (erratum policy)
+
+
+@dataclass
 class GenerationResult:
     text: str
     token_ids: list[int]
@@ -106,16 +148,26 @@ class GenerationResult:
     seam_tokens: int
     rope_policy: str
     reuse: bool
+    prefix_tokens_reused: int = 0
+    skill_tokens_reused: int = 0
     fidelity: Fidelity | None = None
+    edit: EditReport | None = None
     first_logits: torch.Tensor | None = None  # [V] float32, next-token logits after the prompt
 
 
 @dataclass
 class SplicePlan:
+    """What the reuse path prefills: tokens, positions, and where each cached chunk goes."""
+
     input_ids: torch.Tensor  # [L]
     positions: torch.Tensor  # [3, L] with each chunk at its policy's target
     native_positions: torch.Tensor  # [3, L] the model's own
     placements: list[Placement]
+    chunk_keys: list[str | None]  # per token: the cache key of the chunk it comes from
+
+    def chunk_features(self) -> ImageFeatures | None:
+        """Visual features for every image pad of the prompt, in order."""
+        return ImageFeatures.concat([p.entry.features for p in self.placements if p.entry.features is not None])
 
 
 @dataclass
@@ -126,12 +178,17 @@ class _Registered:
 
 
 @dataclass
+class _Skill:
+    info: SkillInfo
+    token_ids: torch.Tensor
+
+
+@dataclass
 class _Counters:
     vision_tower_runs: int = 0
     prefill_tokens: int = 0
     reused_tokens: int = 0
     requests: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def image_id_for(content_hash: str) -> str:
@@ -143,8 +200,11 @@ class Engine:
         self.adapter = adapter
         self.settings = settings or EngineSettings()
         self.model_id = model_id or adapter.config.name_or_path or adapter.family
-        self.cache = ImageKVCache(self.settings.cache_bytes)
+        self.cache = KVStore(self.settings.cache_bytes)
+        self.prefix = PrefixCache(self.cache)
         self._images: dict[tuple[str, str], _Registered] = {}
+        self._skills: dict[tuple[str, str], _Skill] = {}
+        self._recent: dict[tuple[str, str], deque[RecentPrompt]] = {}
         self._lock = threading.RLock()
         self._counters = _Counters()
         self.fingerprint = xxhash.xxh3_128(adapter.fingerprint_source().encode()).hexdigest()
@@ -186,9 +246,9 @@ class Engine:
 
     def _anchor_ids(self) -> torch.Tensor:
         """The chat template's default header up to a first-turn image: the tokens an image
-        normally follows, so its first token is not the attention sink."""
+        normally follows, so a chunk's first token is not its attention sink."""
         text = self._render([{"role": "user", "content": [{"type": "image"}]}], add_generation_prompt=False)
-        start = self.adapter.processor.tokenizer.convert_ids_to_tokens(self.adapter.vision_start_id)
+        start = self.adapter.tokenizer.convert_ids_to_tokens(self.adapter.vision_start_id)
         return self._tokenize(text.split(start)[0])
 
     def _tokenize(self, text: str) -> torch.Tensor:
@@ -212,7 +272,7 @@ class Engine:
         """Decode, register and precompile an image; returns its stable id (from the content hash)."""
         with self._lock:
             image_id, reg = self._register(decode_image(data, self.settings.max_image_pixels), tenant)
-            self._cached_chunk(reg, tenant)
+            self._image_chunk(reg, tenant)
             return image_id
 
     def image_info(self, image_id: str, tenant: str = "") -> ImageInfo:
@@ -225,7 +285,7 @@ class Engine:
         """Drop an image's pixels and its cached KV."""
         with self._lock:
             reg = self._lookup(image_id, tenant)
-            self.cache.discard(self._cache_key(reg, tenant))
+            self.cache.discard(self._image_key(reg, tenant))
             del self._images[(tenant, image_id)]
 
     def _register(self, decoded: DecodedImage, tenant: str) -> tuple[str, _Registered]:
@@ -242,50 +302,170 @@ class Engine:
             raise UnknownImageError(f"no image with id {image_id!r}", param=param)
         return reg
 
-    def _cache_key(self, reg: _Registered, tenant: str) -> str:
-        return image_cache_key(reg.decoded.content_hash, self.fingerprint, self.grid_settings,
+    def _image_key(self, reg: _Registered, tenant: str) -> str:
+        return chunk_cache_key("image", reg.decoded.content_hash, self.fingerprint, self.grid_settings,
                                self.settings.anchor, tenant)
 
     def _encode(self, reg: _Registered) -> ImageFeatures:
         self._counters.vision_tower_runs += 1
         return self.adapter.encode_image(reg.pixel_values, reg.grid_thw)
 
-    def _cached_chunk(self, reg: _Registered, tenant: str) -> tuple[CachedImage, bool]:
+    def _image_chunk(self, reg: _Registered, tenant: str) -> CachedChunk:
         """The image's cached KV, precompiled (vision tower + isolated LM prefill) on a miss."""
-        key = self._cache_key(reg, tenant)
-        entry = self.cache.get(key)
-        if entry is not None:
-            return entry, False
-        entry = precompile_image(self.adapter, self._encode(reg), reg.grid_thw, key, self.anchor_ids)
-        self._counters.prefill_tokens += self.anchor_ids.numel() + entry.num_tokens
-        self.cache.put(entry)
-        return entry, True
+        key = self._image_key(reg, tenant)
+        entry = self.cache.get(key, "image")
+        if entry is None:
+            entry = precompile_image(self.adapter, self._encode(reg), reg.grid_thw, key, self.anchor_ids)
+            self._counters.prefill_tokens += self.anchor_ids.numel() + entry.num_tokens
+            self.cache.put(entry)
+        return entry
 
-    def _resolve(self, refs: list[ImageRef], tenant: str) -> list[_Registered]:
-        """Every referenced image, registered; inline data is decoded and added for this tenant.
-        Validates all references before anything is stored, so a bad one changes nothing."""
+    # ---- skills ----------------------------------------------------------------------------------
+    def add_skill(self, name: str, text: str, tenant: str = "") -> str:
+        """Precompile a text skill (a policy, a tool spec, a memory block) in isolation; returns its
+        stable id. A message splices it in with {"type": "skill", "skill_id": id}."""
+        if not isinstance(name, str) or not name.strip():
+            raise InvalidRequestError("skill name must be a non-empty string", param="name")
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidRequestError("skill text must be a non-empty string", param="text")
+        parse_messages([{"role": "user", "content": text}])  # same reserved-token checks as messages
+        with self._lock:
+            token_ids = self._tokenize(text)
+            if token_ids.numel() + self.anchor_ids.numel() >= self.max_context:
+                raise PromptTooLongError(f"skill of {token_ids.numel()} tokens exceeds the context", param="text")
+            digest = xxhash.xxh3_128(text.encode()).hexdigest()
+            skill_id = f"skill-{digest}"
+            if (tenant, skill_id) not in self._skills:
+                info = SkillInfo(skill_id, name, token_ids.numel(), int(time.time()))
+                self._skills[(tenant, skill_id)] = _Skill(info, token_ids)
+            self._skill_chunk(self._skills[(tenant, skill_id)], tenant)
+            return skill_id
+
+    def skill_info(self, skill_id: str, tenant: str = "") -> SkillInfo:
+        with self._lock:
+            return self._skill(skill_id, tenant).info
+
+    def list_skills(self, tenant: str = "") -> list[SkillInfo]:
+        with self._lock:
+            return [s.info for (t, _), s in self._skills.items() if t == tenant]
+
+    def remove_skill(self, skill_id: str, tenant: str = "") -> None:
+        with self._lock:
+            skill = self._skill(skill_id, tenant)
+            self.cache.discard(self._skill_key(skill, tenant))
+            del self._skills[(tenant, skill_id)]
+
+    def _skill(self, skill_id: str, tenant: str, param: str | None = None) -> _Skill:
+        skill = self._skills.get((tenant, skill_id))
+        if skill is None:
+            raise UnknownImageError(f"no skill with id {skill_id!r}", param=param)
+        return skill
+
+    def _skill_key(self, skill: _Skill, tenant: str) -> str:
+        return chunk_cache_key("skill", skill.info.skill_id, self.fingerprint, "", self.settings.anchor, tenant)
+
+    def _skill_chunk(self, skill: _Skill, tenant: str) -> CachedChunk:
+        key = self._skill_key(skill, tenant)
+        entry = self.cache.get(key, "skill")
+        if entry is None:
+            entry = precompile_chunk(self.adapter, "skill", skill.token_ids, key, self.anchor_ids)
+            self._counters.prefill_tokens += self.anchor_ids.numel() + entry.num_tokens
+            self.cache.put(entry)
+        return entry
+
+    # ---- prompts ---------------------------------------------------------------------------------
+    def _resolve(self, refs: list[ImageRef | SkillRef], tenant: str) -> list[_Registered | _Skill]:
+        """Every referenced image and skill; inline images are decoded and registered for this
+        tenant. All references are validated before anything is stored, so a bad one changes nothing."""
         resolved = []
         for ref in refs:
-            if ref.image_id is not None:
-                resolved.append(("id", self._lookup(ref.image_id, tenant, ref.param)))
+            if isinstance(ref, SkillRef):
+                resolved.append(("ok", self._skill(ref.skill_id, tenant, ref.param)))
+            elif ref.image_id is not None:
+                resolved.append(("ok", self._lookup(ref.image_id, tenant, ref.param)))
             else:
                 resolved.append(("new", decode_image(ref.data, self.settings.max_image_pixels)))
         return [self._register(x, tenant)[1] if kind == "new" else x for kind, x in resolved]
+
+    def _prompt(self, template: list[dict], refs: list[_Registered | _Skill]) -> tuple[torch.Tensor, list[tuple[int, _Registered | _Skill]]]:
+        """Render the chat template and tokenize it, expanding each image placeholder to its pad
+        tokens (as the processor does) and each skill marker to the skill's tokens. Returns the ids
+        and (start index, reference) of every image span and skill, in order."""
+        text = self._render(template)
+        pad = self.adapter.processor.image_token
+        pattern = re.compile(re.escape(pad) + "|\\ue000(\\d+)\\ue001")
+        images = iter(r for r in refs if isinstance(r, _Registered))
+        ids: list[int] = []
+        spans = []
+        cursor = 0
+        for m in pattern.finditer(text):
+            ids += self.adapter.tokenizer(text[cursor:m.start()])["input_ids"]
+            cursor = m.end()
+            if m.group(1) is None:
+                reg = next(images, None)
+                if reg is None or not ids or ids[-1] != self.adapter.vision_start_id:
+                    raise InvalidRequestError("the chat template did not place every image exactly once")
+                spans.append((len(ids) - 1, reg))
+                ids += [self.adapter.image_token_id] * self.adapter.image_token_count(reg.grid_thw)
+            else:
+                skill = refs[int(m.group(1))]
+                spans.append((len(ids), skill))
+                ids += skill.token_ids.tolist()
+        ids += self.adapter.tokenizer(text[cursor:])["input_ids"]
+        if next(images, None) is not None:
+            raise InvalidRequestError("the chat template did not place every image exactly once")
+        return torch.tensor(ids, dtype=torch.long), spans
+
+    def prompt_ids(self, messages, tenant: str = "") -> torch.Tensor:
+        """The prompt's token ids [L] exactly as generate() builds them."""
+        template, refs = parse_messages(messages)
+        with self._lock:
+            return self._prompt(template, self._resolve(refs, tenant))[0]
+
+    def _chunk_for(self, ref: _Registered | _Skill, tenant: str) -> CachedChunk:
+        return self._image_chunk(ref, tenant) if isinstance(ref, _Registered) else self._skill_chunk(ref, tenant)
+
+    def _plan(self, input_ids: torch.Tensor, spans: list[tuple[int, CachedChunk]], policy: str) -> SplicePlan:
+        """Native positions for the prompt, then each chunk placed at its policy's target."""
+        grids = [c.grid_thw for _, c in spans if c.kind == "image"]
+        native = self.adapter.native_positions(input_ids, grids)
+        positions = native.clone()
+        placements, keys = [], [None] * input_ids.numel()
+        for start, chunk in spans:
+            end = start + chunk.num_tokens
+            target = target_positions(native[:, start:end], chunk.position_ids, policy)
+            placements.append(Placement(start, chunk, target))
+            positions[:, start:end] = target
+            keys[start:end] = [chunk.key] * chunk.num_tokens
+        return SplicePlan(input_ids, positions, native, placements, keys)
+
+    def splice_plan(self, messages, rope_policy: str | None = None, tenant: str = "") -> SplicePlan:
+        """Tokens, positions and chunk placements the reuse path would prefill for `messages`
+        (chunks precompiled on a miss). For oracles, evaluations and tests."""
+        template, refs = parse_messages(messages)
+        policy = check_policy(rope_policy or self.settings.rope_policy)
+        with self._lock:
+            ids, spans = self._prompt(template, self._resolve(refs, tenant))
+            return self._plan(ids, [(s, self._chunk_for(r, tenant)) for s, r in spans], policy)
 
     # ---- generation -------------------------------------------------------------------------------
     def generate(self, messages, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, stop: list[str] | str | None = None, reuse: bool = True,
                  seam_tokens: int | None = None, rope_policy: str | None = None, tenant: str = "",
                  on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None,
-                 fidelity: bool = False) -> GenerationResult:
+                 fidelity: bool = False, edit_policy: str | None = None) -> GenerationResult:
         """Answer OpenAI-shaped `messages`. `reuse=False` is the reference: one full causal forward.
 
-        `on_text(delta)` receives text as it is decoded; `should_stop()` is polled between tokens.
-        `fidelity=True` also runs the full recompute and reports how far the first logits are.
+        With reuse, images and skills are spliced from their cached KV and the longest cached
+        prompt prefix is reused. `edit_policy` decides what happens when the prompt equals a recent
+        one except for a short changed field (see mmkv.edits). `on_text(delta)` receives text as
+        it is decoded; `should_stop()` is polled between tokens. `fidelity=True` also runs the
+        full recompute and reports how far the first logits are.
         """
         t0 = time.perf_counter()
         seam = check_seam_tokens(self.settings.seam_tokens if seam_tokens is None else seam_tokens)
         policy = check_policy(rope_policy or self.settings.rope_policy)
+        edit = parse_edit_policy(edit_policy)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidRequestError("max_new_tokens must be a positive integer", param="max_tokens")
@@ -294,98 +474,127 @@ class Engine:
         template, refs = parse_messages(messages)
         with self._lock:
             runs_before = self._counters.vision_tower_runs
-            regs = self._resolve(refs, tenant)
-            input_ids = self._prompt_ids(template, regs)
+            resolved = self._resolve(refs, tenant)
+            input_ids, spans = self._prompt(template, resolved)
             if input_ids.numel() + max_new_tokens > self.max_context:
                 raise PromptTooLongError(
                     f"prompt of {input_ids.numel()} tokens plus max_tokens {max_new_tokens} exceeds the context "
                     f"of {self.max_context} tokens", param="messages")
-            grids = [r.grid_thw for r in regs]
-            positions = self.adapter.native_positions(input_ids, grids)
+            report = None
             if reuse:
-                prefill, reused_image, positions = self._prefill_reuse(input_ids, positions, regs, tenant, seam,
-                                                                       policy)
+                plan = self._plan(input_ids, [(s, self._chunk_for(r, tenant)) for s, r in spans], policy)
+                prefill, plan, report = self._prefill_reuse(plan, tenant, seam, policy, edit, max_new_tokens)
             else:
-                feats = ImageFeatures.concat([self._encode(r) for r in regs])
-                prefill, reused_image = prefill_full(self.adapter, input_ids, positions, feats), 0
-            report = self._fidelity(prefill, input_ids, positions, regs) if fidelity and reuse else None
+                grids = [r.grid_thw for r in resolved if isinstance(r, _Registered)]
+                native = self.adapter.native_positions(input_ids, grids)
+                feats = ImageFeatures.concat([self._encode(r) for r in resolved if isinstance(r, _Registered)])
+                prefill = prefill_full(self.adapter, input_ids, native, feats)
+                plan = SplicePlan(input_ids, native, native, [], [None] * input_ids.numel())
+            fid = self._fidelity(prefill, plan) if fidelity and reuse else None
             self._counters.prefill_tokens += prefill.computed_tokens
             self._counters.reused_tokens += prefill.reused_tokens
             self._counters.requests += 1
-            ids, finish, ttft, text = self._decode(prefill, positions, max_new_tokens, temperature, top_p, seed,
+            ids, finish, ttft, text = self._decode(prefill, plan.positions, max_new_tokens, temperature, top_p, seed,
                                                    stops, on_text, should_stop, t0)
+            reused_kinds = self._reused_by_kind(plan, prefill)
             return GenerationResult(
                 text=text, token_ids=ids, finish_reason=finish,
-                usage=Usage(input_ids.numel(), prefill.reused_tokens, len(ids)),
-                ttft_s=ttft, total_s=time.perf_counter() - t0, image_tokens_reused=reused_image,
+                usage=Usage(plan.input_ids.numel(), prefill.reused_tokens, len(ids)),
+                ttft_s=ttft, total_s=time.perf_counter() - t0, image_tokens_reused=reused_kinds["image"],
                 lm_tokens_computed=prefill.computed_tokens,
                 vision_tower_runs=self._counters.vision_tower_runs - runs_before,
-                seam_tokens=seam, rope_policy=policy, reuse=reuse, fidelity=report,
+                seam_tokens=seam, rope_policy=policy, reuse=reuse, prefix_tokens_reused=reused_kinds["prefix"],
+                skill_tokens_reused=reused_kinds["skill"], fidelity=fid, edit=report,
                 first_logits=prefill.logits[0].cpu())
 
-    def prompt_ids(self, messages, tenant: str = "") -> torch.Tensor:
-        """The prompt's token ids [L] exactly as generate() builds them."""
-        template, refs = parse_messages(messages)
-        with self._lock:
-            return self._prompt_ids(template, self._resolve(refs, tenant))
+    def _salt(self, tenant: str, seam: int, policy: str) -> str:
+        """Root of the prefix tree: who asked, and every setting that changes spliced KV."""
+        return "|".join((tenant, self.fingerprint, self.grid_settings, self.settings.anchor, str(seam), policy))
 
-    def _prompt_ids(self, template: list[dict], regs: list[_Registered]) -> torch.Tensor:
-        """Render the chat template and expand each image placeholder to its pad tokens, as the
-        processor does."""
-        text = self._render(template)
-        pad = self.adapter.processor.image_token
-        pieces = text.split(pad)
-        if len(pieces) - 1 != len(regs):
-            raise InvalidRequestError("the chat template did not place every image exactly once")
-        out = pieces[0]
-        for reg, piece in zip(regs, pieces[1:]):
-            out += pad * self.adapter.image_token_count(reg.grid_thw) + piece
-        return self._tokenize(out)
+    def _prefill_reuse(self, plan: SplicePlan, tenant: str, seam: int, policy: str, edit: EditPolicy,
+                       max_new_tokens: int) -> tuple[PrefillResult, SplicePlan, EditReport | None]:
+        """Edit detection, then the edit policy, then prefix cache + splice. Returns the prefill,
+        the plan actually prefilled (the erratum policy rewrites the prompt) and the edit report."""
+        salt = self._salt(tenant, seam, policy)
+        recent = self._recent.setdefault((tenant, salt), deque(maxlen=RECENT_PROMPTS))
+        client_ids, client_keys = plan.input_ids.tolist(), plan.chunk_keys
+        change = find_change(client_ids, client_keys, list(recent), self.settings.edit_max_tokens)
+        report = None
+        if change is not None:
+            field_name, old, new = describe_change(self.adapter.tokenizer, client_ids, change)
+            report = EditReport(str(edit), True, field_name, old, new, change.new_len)
+        elif edit.name != "recompute":
+            report = EditReport(str(edit), False)
+        if edit.name == "erratum":
+            plan, line = self._erratum_plan(plan, change, report, policy, recent)
+            report.erratum = line
+            if plan.input_ids.numel() + max_new_tokens > self.max_context:
+                raise PromptTooLongError("the prompt with its erratum exceeds the context", param="messages")
+        elif change is not None and edit.name in ("in_place", "selective"):
+            result = prefill_edited(self.adapter, self.cache, plan, change, seam, edit.k,
+                                    self.settings.selective_layer, rotate=policy != "none")
+            if result is not None:
+                report.recomputed_tokens, report.reused_tokens = result.computed_tokens, result.reused_tokens
+                return result, plan, report
+        keys = block_keys(plan.input_ids, plan.chunk_keys, salt) if self.settings.prefix_cache else []
+        blocks = self.prefix.lookup(keys, plan.input_ids.numel()) if keys else []
+        cache = self.adapter.new_cache()
+        self.prefix.load(blocks, cache, self.adapter.device)
+        start = len(blocks) * self.prefix.block
+        result = prefill_spliced(self.adapter, plan.input_ids, plan.positions, plan.placements, seam,
+                                 rotate=policy != "none", cache=cache, start=start)
+        if keys:
+            self.prefix.insert(keys, result.cache, plan.positions, len(blocks), plan.input_ids.numel())
+            recent.append(RecentPrompt(client_ids, client_keys, plan.input_ids.tolist(), plan.chunk_keys, keys,
+                                       [(p.start, p.entry) for p in plan.placements]))
+        if report is not None:
+            report.recomputed_tokens, report.reused_tokens = result.computed_tokens, result.reused_tokens
+        return result, plan, report
 
-    def splice_plan(self, messages, rope_policy: str | None = None, tenant: str = "") -> SplicePlan:
-        """Tokens, positions and chunk placements the reuse path would prefill for `messages`
-        (images precompiled on a miss). For oracles, evaluations and tests."""
-        template, refs = parse_messages(messages)
-        with self._lock:
-            regs = self._resolve(refs, tenant)
-            input_ids = self._prompt_ids(template, regs)
-            native = self.adapter.native_positions(input_ids, [r.grid_thw for r in regs])
-            placements, positions = self._place(input_ids, native, regs, tenant, check_policy(rope_policy or
-                                                                                               self.settings.rope_policy))
-            return SplicePlan(input_ids, positions, native, placements)
+    def _erratum_plan(self, plan: SplicePlan, change: FieldChange | None, report: EditReport, policy: str,
+                      recent) -> tuple[SplicePlan, str]:
+        """Keep the old prompt whole and append: with a detected change, the new prompt's tail
+        with the erratum line at the start of its final user turn; when the prompt extends an
+        earlier rewritten one, that rewrite plus the new tail."""
+        client = plan.input_ids.tolist()
+        if change is not None:
+            base, tail_from = change.prompt, change.start + change.new_len + change.rest
+        else:
+            base = extended_prompt(client, plan.chunk_keys, list(recent))
+            if base is None:
+                return plan, ""
+            tail_from = len(base.client_ids)
+        ids, at, line = base.token_ids + client[tail_from:], len(base.token_ids) + len(client) - tail_from, ""
+        if change is not None:
+            line = erratum_line(report.field, report.new_value)
+            tok = self.adapter.tokenizer
+            ids, at = insert_before_final_turn(
+                ids, tok("<|im_start|>user\n")["input_ids"], tok(line + "\n")["input_ids"],
+                tok("<|im_end|>\n")["input_ids"], tok("<|im_start|>assistant\n")["input_ids"], len(base.token_ids))
+        inserted = len(ids) - len(base.token_ids) - (len(client) - tail_from)
+        spans = list(base.spans)
+        for p in plan.placements:
+            if p.start >= tail_from:
+                start = p.start - tail_from + len(base.token_ids)
+                spans.append((start + inserted if start >= at else start, p.entry))
+        return self._plan(torch.tensor(ids, dtype=torch.long), spans, policy), line
 
-    def _place(self, input_ids, native, regs, tenant, policy) -> tuple[list[Placement], torch.Tensor]:
-        """A placement per image (cached KV, precompiled on a miss) and the sequence's position ids
-        with each chunk at its policy's target."""
-        spans = self.adapter.image_spans(input_ids)
-        assert len(spans) == len(regs), "one span per referenced image"
-        placements = []
-        for (start, end), reg in zip(spans, regs):
-            entry, _ = self._cached_chunk(reg, tenant)
-            target = target_positions(native[:, start:end], entry.position_ids, policy)
-            placements.append(Placement(start, entry, target))
-        return placements, self._query_positions(native, placements)
-
-    def _prefill_reuse(self, input_ids, positions, regs, tenant, seam, policy):
-        """Splice every image from the cache. Returns the prefill, the image tokens reused and the
-        position ids used."""
-        placements, positions = self._place(input_ids, positions, regs, tenant, policy)
-        result = prefill_spliced(self.adapter, input_ids, positions, placements, seam, rotate=policy != "none")
-        reused_image = sum(max(p.entry.num_tokens - 2 - max(seam - 1, 0), 0) for p in placements)
-        return result, min(reused_image, result.reused_tokens), positions
-
-    @staticmethod
-    def _query_positions(positions: torch.Tensor, placements: list[Placement]) -> torch.Tensor:
-        """The sequence's position ids with each chunk at its policy's target positions."""
-        out = positions.clone()
-        for p in placements:
-            out[:, p.start:p.end] = p.target
+    def _reused_by_kind(self, plan: SplicePlan, prefill: PrefillResult) -> dict[str, int]:
+        """Reused prompt tokens by kind: image pads and skill tokens whose KV was not computed
+        (whether spliced or inside a prefix-cache hit), and the prefix-cache hit itself."""
+        kinds = {p.entry.key: p.entry.kind for p in plan.placements}
+        out = {"image": 0, "skill": 0, "prefix": prefill.prefix_tokens}
+        pad = self.adapter.image_token_id
+        for a, b in prefill.reused_ranges:
+            for i in range(a, b):
+                kind = kinds.get(plan.chunk_keys[i])
+                if kind == "skill" or (kind == "image" and int(plan.input_ids[i]) == pad):
+                    out[kind] += 1
         return out
 
-    def _fidelity(self, fast: PrefillResult, input_ids, positions, regs) -> Fidelity:
-        native = self.adapter.native_positions(input_ids, [r.grid_thw for r in regs])
-        feats = ImageFeatures.concat([self._encode(r) for r in regs])
-        ref = prefill_full(self.adapter, input_ids, native, feats).logits[0]
+    def _fidelity(self, fast: PrefillResult, plan: SplicePlan) -> Fidelity:
+        """The full recompute of the same tokens (cached visual features are what the tower gives)."""
+        ref = prefill_full(self.adapter, plan.input_ids, plan.native_positions, plan.chunk_features()).logits[0]
         got = fast.logits[0]
         cos = torch.nn.functional.cosine_similarity(got, ref, dim=0).item()
         return Fidelity(cos, (got - ref).abs().max().item(), bool(got.argmax() == ref.argmax()))
@@ -438,9 +647,15 @@ class Engine:
             c = self._counters
             return {
                 "vision_tower_runs": c.vision_tower_runs,
-                "image_cache_hits": self.cache.hits,
-                "image_cache_misses": self.cache.misses,
-                "image_cache_entries": len(self.cache),
+                "image_cache_hits": self.cache.hits["image"],
+                "image_cache_misses": self.cache.misses["image"],
+                "image_cache_entries": self.cache.count("image"),
+                "skill_cache_hits": self.cache.hits["skill"],
+                "skill_cache_misses": self.cache.misses["skill"],
+                "skill_entries": self.cache.count("skill"),
+                "prefix_cache_query_tokens": self.prefix.query_tokens,
+                "prefix_cache_hit_tokens": self.prefix.hit_tokens,
+                "prefix_blocks": self.cache.count("prefix"),
                 "cache_bytes": self.cache.nbytes,
                 "cache_budget_bytes": self.cache.budget_bytes,
                 "evictions": self.cache.evictions,
@@ -448,6 +663,7 @@ class Engine:
                 "reused_tokens": c.reused_tokens,
                 "requests": c.requests,
                 "registered_images": len(self._images),
+                "registered_skills": len(self._skills),
             }
 
     def check_integrity(self) -> None:

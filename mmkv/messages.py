@@ -10,7 +10,18 @@ from PIL import Image
 from mmkv.errors import InvalidRequestError
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
-RESERVED_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+RESERVED_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "\ue000", "\ue001")
+# The paper's erratum line, verbatim (MECHANISM.md section 1).
+ERRATUM = "[STATE UPDATE] {field} has just changed to {value}; this overrides any earlier value. Apply the current value."
+
+
+def skill_marker(index: int) -> str:
+    """Placeholder for the index-th chunk reference in the rendered template text."""
+    return f"\ue000{index}\ue001"
+
+
+def erratum_line(field: str, value: str) -> str:
+    return ERRATUM.format(field=field, value=value)
 
 
 @dataclass(frozen=True)
@@ -20,6 +31,14 @@ class ImageRef:
     image_id: str | None = None
     data: Any = None  # bytes | PIL.Image | data: URL
     param: str = ""  # where in the request it came from, for errors
+
+
+@dataclass(frozen=True)
+class SkillRef:
+    """A precompiled text skill the prompt splices in at this place."""
+
+    skill_id: str
+    param: str = ""
 
 
 def _text(value: Any, param: str) -> str:
@@ -54,8 +73,9 @@ def _image_part(part: dict, param: str) -> ImageRef:
     return ImageRef(data=data, param=param)
 
 
-def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef]]:
-    """Validate `messages`; return template messages (images as {"type": "image"}) and image refs."""
+def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | SkillRef]]:
+    """Validate `messages`; return template messages (images as {"type": "image"}, skills as a
+    marker text) and the image and skill references in order."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
     out, refs = [], []
@@ -84,6 +104,18 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef]]:
             kind = part.get("type")
             if kind == "text":
                 parts.append({"type": "text", "text": _text(part.get("text"), f"{pparam}.text")})
+            elif kind == "skill":
+                skill_id = part.get("skill_id")
+                if not isinstance(skill_id, str) or not skill_id:
+                    raise InvalidRequestError(f"{pparam}.skill_id must be a non-empty string", param=pparam)
+                parts.append({"type": "text", "text": skill_marker(len(refs))})
+                refs.append(SkillRef(skill_id, pparam))
+            elif kind == "state_update":
+                field, value = part.get("field"), part.get("value")
+                if not isinstance(field, str) or not field.strip() or not isinstance(value, (str, int, float, bool)):
+                    raise InvalidRequestError(f"{pparam} needs a string field and a scalar value", param=pparam)
+                text = erratum_line(_text(field, f"{pparam}.field"), _text(str(value), f"{pparam}.value"))
+                parts.append({"type": "text", "text": text + "\n"})
             elif kind in ("image_url", "image_file", "image"):
                 if role not in ("user", "system"):
                     raise InvalidRequestError(f"{pparam}: images are accepted in user and system messages only",
@@ -91,7 +123,7 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef]]:
                 refs.append(_image_part(part, pparam))
                 parts.append({"type": "image"})
             else:
-                raise InvalidRequestError(f"{pparam}.type {kind!r} is not supported; use text, image_url or image_file",
+                raise InvalidRequestError(f"{pparam}.type {kind!r} is not supported; use text, image_url, image_file, skill or state_update",
                                           param=f"{pparam}.type")
         out.append({"role": role, "content": parts})
     return out, refs

@@ -1,0 +1,50 @@
+"""A chunk is a span of tokens prefilled once in isolation and spliced anywhere: an image
+(vision_start, image pads, vision_end) or a text skill. Its keys are stored after RoPE at the
+positions it was computed at, so a splice only has to rotate them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from mmkv.adapters import ImageFeatures
+
+
+def chunk_cache_key(kind: str, content_hash: str, model_fingerprint: str, grid_settings: str, anchor: str,
+                    tenant: str) -> str:
+    """xxh3-128 over everything that changes a chunk's cached KV. 32 hex digits."""
+    text = "\x1f".join((kind, content_hash, model_fingerprint, grid_settings, anchor, tenant))
+    return xxhash.xxh3_128(text.encode()).hexdigest()
+
+
+@dataclass
+class CachedChunk:
+    key: str
+    kind: str  # "image" | "skill"
+    token_ids: torch.Tensor  # [Lc] long
+    position_ids: torch.Tensor  # [3, Lc] positions the KV was computed at (canonical)
+    keys: tuple[torch.Tensor, ...]  # per layer [kv_heads, Lc, head_dim], after RoPE at position_ids
+    values: tuple[torch.Tensor, ...]  # per layer [kv_heads, Lc, head_dim]
+    features: ImageFeatures | None = None  # images: merged visual embeddings (+ deepstack), one row per pad
+    grid_thw: tuple[int, int, int] | None = None  # images only
+    parent = None  # chunks are never inner nodes of the prefix tree
+
+    def __post_init__(self):
+        n = self.token_ids.numel()
+        assert self.position_ids.shape == (3, n), "positions [3, Lc]"
+        assert len(self.keys) == len(self.values) and self.keys, "one K and V per layer"
+        assert all(k.shape[-2] == n and v.shape[-2] == n for k, v in zip(self.keys, self.values)), "KV length == Lc"
+        if self.kind == "image":
+            assert self.features is not None and self.features.embeds.shape[0] == n - 2, "a feature row per pad"
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.numel()
+
+    @property
+    def nbytes(self) -> int:
+        kv = sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return kv + (self.features.nbytes if self.features is not None else 0)
