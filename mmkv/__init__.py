@@ -11,10 +11,11 @@ from mmkv.errors import (
     PromptTooLongError,
     RopeNotComposableError,
     UnknownImageError,
+    UnknownSkillError,
 )
 
 __all__ = [
     "Engine", "EngineSettings", "GenerationResult", "MMKVError", "InvalidRequestError", "InvalidImageError",
     "ImageTooLargeError", "ImageURLNotAllowedError", "PromptTooLongError", "UnknownImageError", "ModelLoadError",
-    "RopeNotComposableError",
+    "RopeNotComposableError", "UnknownSkillError",
 ]

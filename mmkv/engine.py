@@ -34,7 +34,13 @@ from mmkv.edits import (
     parse_edit_policy,
     prefill_edited,
 )
-from mmkv.errors import InvalidRequestError, ModelLoadError, PromptTooLongError, UnknownImageError
+from mmkv.errors import (
+    InvalidRequestError,
+    ModelLoadError,
+    PromptTooLongError,
+    UnknownImageError,
+    UnknownSkillError,
+)
 from mmkv.images import DEFAULT_MAX_IMAGE_PIXELS, DecodedImage, decode_image
 from mmkv.kv_store import KVStore
 from mmkv.messages import ImageRef, SkillRef, erratum_line, parse_messages
@@ -358,7 +364,7 @@ class Engine:
     def _skill(self, skill_id: str, tenant: str, param: str | None = None) -> _Skill:
         skill = self._skills.get((tenant, skill_id))
         if skill is None:
-            raise UnknownImageError(f"no skill with id {skill_id!r}", param=param)
+            raise UnknownSkillError(f"no skill with id {skill_id!r}", param=param)
         return skill
 
     def _skill_key(self, skill: _Skill, tenant: str) -> str:

@@ -59,6 +59,14 @@ class UnknownImageError(MMKVError):
     code = "image_not_found"
 
 
+class UnknownSkillError(MMKVError):
+    """A skill id that this tenant never added, or that was deleted."""
+
+    http_status = 404
+    error_type = "invalid_request_error"
+    code = "skill_not_found"
+
+
 class ModelLoadError(MMKVError):
     """A checkpoint directory that is missing, unreadable or of an unsupported architecture."""
 

@@ -1,0 +1,237 @@
+"""Issue 5: the prefix cache, text skills spliced like images, errata and the edit policies."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+import torch
+
+from mmkv import Engine, UnknownSkillError
+from mmkv.messages import erratum_line
+from mmkv.oracle import block_masked_logits
+from mmkv.prefix_cache import BLOCK_TOKENS
+from mmkv.splice import prefill_spliced
+
+from conftest import INIT, _rope, make_png
+
+TOL = 1e-4  # float32 logits
+
+POLICY = (
+    "refund policy . a refund is allowed only when the order status is delivered and the customer "
+    "reports damage within thirty days . otherwise escalate to a human agent . "
+)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dirs):
+    return Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], dtype=torch.float32, device="cpu")
+
+
+def _ref(image_id):
+    return {"type": "image_file", "image_file": {"file_id": image_id}}
+
+
+# ---- prefix cache ---------------------------------------------------------------------------------
+def test_turn_two_reuses_turn_one(engine):
+    turn1 = [{"role": "system", "content": POLICY * 3}, {"role": "user", "content": "is a refund allowed ?"}]
+    first = engine.generate(turn1, max_new_tokens=2, tenant="prefix")
+    turn2 = turn1 + [{"role": "assistant", "content": "no"}, {"role": "user", "content": "and now ?"}]
+    second = engine.generate(turn2, max_new_tokens=2, tenant="prefix")
+    l1 = first.usage.prompt_tokens
+    assert second.usage.cached_tokens == second.prefix_tokens_reused == (l1 // BLOCK_TOKENS) * BLOCK_TOKENS
+    assert second.lm_tokens_computed == second.usage.prompt_tokens - second.usage.cached_tokens
+    full = engine.generate(turn2, max_new_tokens=2, reuse=False, tenant="prefix")
+    assert (second.first_logits - full.first_logits).abs().max().item() <= TOL
+    again = engine.generate(turn2, max_new_tokens=2, tenant="prefix")  # identical prompt: capped at len-1
+    assert again.usage.cached_tokens == ((again.usage.prompt_tokens - 1) // BLOCK_TOKENS) * BLOCK_TOKENS
+    engine.check_integrity()
+
+
+def test_prefix_key_carries_the_image_hash(engine):
+    """Same tokens, different image: the prefix hit stops before the image."""
+    a, b = make_png(84, 84, seed=61), make_png(84, 84, seed=62)
+
+    def prompt(png):
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        return [{"role": "system", "content": POLICY * 2},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": POLICY}]}]
+
+    engine.generate(prompt(a), max_new_tokens=1, tenant="img-prefix")
+    hit = engine.generate(prompt(b), max_new_tokens=1, tenant="img-prefix")
+    plan = engine.splice_plan(prompt(b), tenant="img-prefix")
+    image_start = plan.placements[0].start
+    assert hit.prefix_tokens_reused == (image_start // BLOCK_TOKENS) * BLOCK_TOKENS
+    same = engine.generate(prompt(b), max_new_tokens=1, tenant="img-prefix")
+    assert same.prefix_tokens_reused > image_start
+    other_tenant = engine.generate(prompt(b), max_new_tokens=1, tenant="someone-else")
+    assert other_tenant.prefix_tokens_reused == 0
+
+
+def test_prefix_blocks_share_the_budget_and_evict_leaves_first(tiny_dirs):
+    eng = Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], dtype=torch.float32, device="cpu", cache_bytes=60_000)
+    for i in range(6):
+        eng.generate([{"role": "user", "content": f"{i} " + POLICY * 2}], max_new_tokens=1)
+        eng.check_integrity()
+    st = eng.stats()
+    assert st["evictions"] > 0 and st["cache_bytes"] <= 60_000 and st["prefix_blocks"] > 0
+
+
+# ---- skills -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seam", [0, 1, 2])
+def test_two_skills_and_an_image_equal_the_block_masked_forward(engine, seam):
+    s1 = engine.add_skill("refunds", POLICY)
+    s2 = engine.add_skill("tools", "tool search ( query ) returns the top three documents .")
+    image_id = engine.add_image(make_png(98, 70, seed=63))
+    msgs = [{"role": "system", "content": [{"type": "skill", "skill_id": s1}, {"type": "text", "text": "\n"},
+                                           {"type": "skill", "skill_id": s2}]},
+            {"role": "user", "content": [_ref(image_id), {"type": "text", "text": "may i have a refund ?"}]}]
+    plan = engine.splice_plan(msgs)
+    assert [p.entry.kind for p in plan.placements] == ["skill", "skill", "image"]
+    got = prefill_spliced(engine.adapter, plan.input_ids, plan.positions, plan.placements, seam).logits
+    want = block_masked_logits(engine.adapter, plan.input_ids, plan.positions, plan.placements, seam,
+                               engine.anchor_ids)
+    diff = (got - want).abs().max().item()
+    print(f"two skills + image, seam {seam}: spliced vs oracle max |diff| {diff:.2e}")
+    assert diff <= TOL
+    r = engine.generate(msgs, max_new_tokens=1, seam_tokens=seam)
+    n_skill = engine.skill_info(s1).tokens + engine.skill_info(s2).tokens
+    assert r.skill_tokens_reused == n_skill - 2 * seam
+
+
+def test_skill_usage_and_reference(engine):
+    text = "memory . the user prefers short answers and lives in lisbon ."
+    sid = engine.add_skill("memory", text)
+    assert engine.add_skill("memory again", text) == sid  # same text, same id, precompiled once
+    msgs = [{"role": "system", "content": [{"type": "skill", "skill_id": sid}]},
+            {"role": "user", "content": "where do i live ?"}]
+    fast = engine.generate(msgs, max_new_tokens=1, seam_tokens=1, tenant="")
+    n = engine.skill_info(sid).tokens
+    assert fast.skill_tokens_reused == n - 1
+    assert engine.adapter.tokenizer.decode(engine.prompt_ids(msgs)).count(text) == 1
+    full = engine.generate(msgs, max_new_tokens=1, reuse=False)
+    assert full.usage.cached_tokens == 0
+    assert torch.nn.functional.cosine_similarity(fast.first_logits, full.first_logits, dim=0) > 0.9
+    assert fast.fidelity is None
+
+
+def test_skills_are_per_tenant(engine):
+    sid = engine.add_skill("secret", "the vault code is four two .", tenant="alice")
+    with pytest.raises(UnknownSkillError):
+        engine.generate([{"role": "user", "content": [{"type": "skill", "skill_id": sid}]}], tenant="bob")
+    assert [s.skill_id for s in engine.list_skills("alice")] == [sid]
+    engine.remove_skill(sid, tenant="alice")
+    with pytest.raises(UnknownSkillError):
+        engine.skill_info(sid, tenant="alice")
+    engine.check_integrity()
+
+
+# ---- errata ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def long_engine(tmp_path_factory):
+    from mmkv.tiny import save_tiny_checkpoint
+
+    d = save_tiny_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("long") / "m", seed=5, initializer_range=INIT,
+                             text={"rope_parameters": _rope("qwen2_5_vl"), "initializer_range": INIT,
+                                   "max_position_embeddings": 16384})
+    return Engine.from_pretrained(d, dtype=torch.float32, device="cpu")
+
+
+def _agent_turns(n_turns: int, erratum: bool):
+    """A long policy with a status field, then turns in which the field toggles every turn:
+    as an appended state_update part (erratum) or by editing the system prompt (in-prefix).
+    Each value carries its turn number, so no earlier prompt ever matches again."""
+    values = [f"{('pending', 'shipped')[t % 2]}-{t}" for t in range(n_turns)]
+    for t in range(n_turns):
+        value = values[t]
+        system = f"order_status: {values[0] if erratum else value}\n" + POLICY * 30
+        msgs = [{"role": "system", "content": system}]
+        for u in range(t + 1):
+            parts = []
+            if erratum and u > 0:
+                parts.append({"type": "state_update", "field": "order_status", "value": values[u]})
+            parts.append({"type": "text", "text": "refund ?"})
+            msgs.append({"role": "user", "content": parts})
+            if u < t:
+                msgs.append({"role": "assistant", "content": "escalate"})
+        yield t, msgs
+
+
+def test_28_turn_errata_keep_the_prefix_hot_and_exact(long_engine):
+    rates = []
+    for t, msgs in _agent_turns(28, erratum=True):
+        fast = long_engine.generate(msgs, max_new_tokens=1, tenant="errata")
+        full = long_engine.generate(msgs, max_new_tokens=1, reuse=False, tenant="errata")
+        assert fast.usage.prompt_tokens == full.usage.prompt_tokens
+        assert (fast.first_logits - full.first_logits).abs().max().item() <= TOL, t
+        rate = fast.usage.cached_tokens / fast.usage.prompt_tokens
+        rates.append(rate)
+        if t > 0:
+            assert rate >= 0.95, (t, rate)
+    control = []
+    for t, msgs in _agent_turns(28, erratum=False):
+        r = long_engine.generate(msgs, max_new_tokens=1, tenant="in-prefix", edit_policy="recompute")
+        control.append(r.usage.cached_tokens / r.usage.prompt_tokens)
+    print(f"prefix hit-rate over turns 2-28: erratum {sum(rates[1:]) / 27:.3f} (min {min(rates[1:]):.3f}), "
+          f"in-prefix edit {sum(control[1:]) / 27:.3f}; prompt {full.usage.prompt_tokens} tokens at turn 28")
+    assert sum(control[1:]) / 27 < 0.2
+    long_engine.check_integrity()
+
+
+def test_state_update_renders_the_paper_line_verbatim(engine):
+    msgs = [{"role": "user", "content": [{"type": "state_update", "field": "order_status", "value": "shipped"},
+                                         {"type": "text", "text": "refund ?"}]}]
+    text = engine.adapter.tokenizer.decode(engine.prompt_ids(msgs))
+    assert ("[STATE UPDATE] order_status has just changed to shipped; this overrides any earlier value. "
+            "Apply the current value.\n") in text
+
+
+# ---- edit policies -------------------------------------------------------------------------------------
+def _edit_pair(value):
+    return [{"role": "system", "content": POLICY * 6 + f"\norder_status: {value}\n" + POLICY * 4},
+            {"role": "user", "content": "refund ?"}]
+
+
+@pytest.mark.parametrize("policy", ["recompute", "in_place", "selective@5", "erratum"])
+def test_edit_policies_recompute_what_they_say(engine, policy):
+    tenant = f"edit-{policy}"
+    first = engine.generate(_edit_pair("pending"), max_new_tokens=1, tenant=tenant)
+    r = engine.generate(_edit_pair("shipped"), max_new_tokens=1, tenant=tenant, edit_policy=policy)
+    e = r.edit
+    assert e.detected and e.policy == policy and e.field == "order_status"
+    assert (e.old_value, e.new_value) == ("pending", "shipped")
+    l1, l2 = first.usage.prompt_tokens, r.usage.prompt_tokens
+    assert e.recomputed_tokens == r.lm_tokens_computed and e.reused_tokens == r.usage.cached_tokens
+    assert r.lm_tokens_computed + r.usage.cached_tokens == l2
+    ids = engine.prompt_ids(_edit_pair("shipped")).tolist()
+    old = engine.prompt_ids(_edit_pair("pending")).tolist()
+    a = next(i for i, (p, q) in enumerate(zip(ids, old)) if p != q)
+    covered = (l1 // BLOCK_TOKENS) * BLOCK_TOKENS
+    if policy == "recompute":
+        assert r.usage.cached_tokens == (a // BLOCK_TOKENS) * BLOCK_TOKENS
+    elif policy == "erratum":
+        assert e.erratum == erratum_line("order_status", "shipped")
+        assert r.usage.cached_tokens == covered and l2 == l1 + len(engine.adapter.tokenizer(
+            "<|im_start|>user\n" + e.erratum + "\n<|im_end|>\n")["input_ids"])
+    else:
+        k = 5 if policy.startswith("selective") else 0
+        changed = e.changed_tokens
+        tail = l2 - (covered + (len(ids) - len(old)))  # tokens after the stale span, prefilled
+        assert r.lm_tokens_computed == changed + k + tail
+        assert r.usage.cached_tokens == l2 - changed - k - tail
+    engine.check_integrity()
+
+
+def test_selective_with_every_token_equals_recompute_and_zero_equals_in_place(engine):
+    def run(policy, tenant):
+        engine.generate(_edit_pair("pending"), max_new_tokens=1, tenant=tenant)
+        return engine.generate(_edit_pair("shipped"), max_new_tokens=1, tenant=tenant, edit_policy=policy)
+
+    exact = engine.generate(_edit_pair("shipped"), max_new_tokens=1, reuse=False).first_logits
+    everything = run("selective@100000", "sel-all").first_logits
+    in_place = run("in_place", "sel-ip").first_logits
+    zero = run("selective@0", "sel-0").first_logits
+    assert (everything - exact).abs().max().item() <= TOL
+    assert torch.equal(zero, in_place)
+    assert (in_place - exact).abs().max().item() > 10 * TOL  # stale notes: in_place is not exact
