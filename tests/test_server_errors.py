@@ -111,6 +111,11 @@ def test_400_bad_image_bad_part_prompt_too_long(live):
                      "image_url_not_allowed", "messages[0].content[0].image_url.url")
     too_long = chat(live, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000})
     assert_error(too_long, 400, "context_length_exceeded", "messages")
+    # Streaming holds the status line until the first token: the same errors stay HTTP errors.
+    too_long = chat(live, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000, "stream": True})
+    assert_error(too_long, 400, "context_length_exceeded", "messages")
+    assert_error(chat(live, {**user({"type": "image_url", "image_url": {"url": bad_data}}), "stream": True}), 400,
+                 "invalid_image")
     assert_error(chat(live, {"messages": [{"role": "user", "content": "hi"}], "n": 2}), 400, "invalid_request", "n")
     image = {"type": "image_url", "image_url": {"url": data_url(png_bytes((9, 9, 9)))}}
     assert_error(chat(live, user(image, image, image)), 400, "invalid_request", "messages[0].content[2]")
@@ -169,6 +174,8 @@ def test_422_schema(live):
                  "messages.0.role")
     assert_error(chat(live, {"messages": [{"role": "user", "content": "hi"}], "mmkv": {"resue": False}}), 422,
                  "invalid_schema", "mmkv.resue")
+    no_file = httpx.post(f"{live.base_url}/v1/files", headers=AUTH, data={"purpose": "vision"})
+    assert_error(no_file, 422, "invalid_schema", "file")
     response = httpx.post(f"{live.base_url}/v1/chat/completions", content=b"{not json",
                           headers={**AUTH, "Content-Type": "application/json"})
     assert response.status_code == 422 and response.json()["error"]["type"] == "invalid_request_error"
