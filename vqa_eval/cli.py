@@ -14,18 +14,24 @@ def eval_command(
     set_dir: Annotated[Path | None, typer.Option("--set", help="VQA set dir. Default: samples/vqa.")] = None,
     arms: Annotated[list[str] | None, typer.Option(
         "--arms", help="Arms to run (repeat or comma-separate); `full` always runs. Default: all.")] = None,
-    limit: Annotated[int | None, typer.Option(help="Items, round-robin over question types; 0 = all.")] = 90,
+    limit: Annotated[int, typer.Option(help="Items, round-robin over question types; 0 = all.")] = 0,
     seed: Annotated[int, typer.Option(help="Seeds the conversations, arm order and bootstrap.")] = 0,
     out: Annotated[Path, typer.Option(help="Where report.json, report.md and agreement.png go.")] = Path("eval-out"),
     max_new_tokens: Annotated[int, typer.Option(help="Greedy answer length cap.")] = 6,
     device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1, ...")] = None,
     dtype: Annotated[str | None, typer.Option(help="float32, bfloat16, float16.")] = None,
+    threads: Annotated[int, typer.Option(help="CPU threads for torch; 0 = torch's default. Tiny models on a "
+                                              "shared CPU run fastest on 1.")] = 0,
 ) -> None:
     """How often does the fast path answer exactly like a full recompute? Agreement per arm."""
     from mmkv.engine import Engine
     from mmkv.errors import MMKVError
     from mmkv.vqa_eval.run import run_eval
 
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     names = [a.strip() for group in (arms or []) for a in group.split(",") if a.strip()]
     try:
         engine = Engine.from_pretrained(model_dir, dtype=dtype, device=device)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from mmkv.adapters import ImageFeatures
-from mmkv.engine import REPO_ROOT, Engine
+from mmkv.engine import BUNDLED_MODEL, REPO_ROOT, Engine
 from mmkv.images import decode_image
 from mmkv.messages import parse_messages
 from mmkv.splice import prefill_full
@@ -221,7 +221,7 @@ def summarize(rows: list[dict], arm_names: list[str], seed: int) -> dict:
 
 
 def run_eval(model_dir: str | Path | None = None, set_dir: str | Path | None = None, arms: list[str] | None = None,
-             limit: int | None = 90, seed: int = 0, out: str | Path = "eval-out", max_new_tokens: int = 6,
+             limit: int | None = None, seed: int = 0, out: str | Path = "eval-out", max_new_tokens: int = 6,
              engine: Engine | None = None, progress: bool = True) -> dict:
     """Run every arm on the same items and write report.json, report.md and agreement.png to `out`."""
     names = list(ARMS) if not arms else list(dict.fromkeys([REFERENCE, *arms]))
@@ -253,12 +253,22 @@ def run_eval(model_dir: str | Path | None = None, set_dir: str | Path | None = N
         "arms": {a.name: a.meaning for a in chosen},
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                     "device": str(engine.adapter.device), "dtype": str(engine.adapter.dtype)},
+        "checkpoint": _checkpoint_state(Path(model_dir) if model_dir else BUNDLED_MODEL),
         "wall_s": round(time.perf_counter() - t0, 2),
         "summary": summarize(rows, names, seed),
         "items": rows,
     }
     write_reports(report, Path(out))
     return report
+
+
+def _checkpoint_state(model_dir: Path) -> dict | None:
+    """Steps and finality of a bundled tiny model (samples/train.py writes train_state.json)."""
+    path = model_dir / "train_state.json"
+    if not path.is_file():
+        return None
+    state = json.loads(path.read_text())
+    return {k: state.get(k) for k in ("family", "steps", "elapsed_s", "final", "loss_ema")}
 
 
 def _warm_up(engine: Engine, conv: Conversation, file_ids: dict[str, str], max_new_tokens: int) -> None:
@@ -282,7 +292,10 @@ def markdown(report: dict) -> str:
              f"n = {report['n']} items (set {Path(report['set']).name}, seed {report['seed']}), reference arm "
              f"`{report['reference']}`, greedy, max {report['max_new_tokens']} new tokens; "
              f"{report['machine']['device']} {report['machine']['dtype']}, {report['machine']['threads']} threads. "
-             f"Intervals: bootstrap 95%.", "",
+             f"Intervals: bootstrap 95%."
+             + (f" Checkpoint: {report['checkpoint']['steps']} training steps"
+                f"{'' if report['checkpoint']['final'] else ' (an intermediate save)'}."
+                if report.get("checkpoint") else ""), "",
              "| arm | n | agreement | accuracy | logit cosine | TTFT median ms | TTFT p90 ms | vision runs / item "
              "| LM tokens / item |",
              "|---|---|---|---|---|---|---|---|---|"]
