@@ -21,11 +21,20 @@ _ENGINE_METRICS = {
     "vision_tower_runs": ("mmkv:vision_tower_runs", "Vision tower forward passes (one per image encoded).", "counter"),
     "image_cache_hits": ("mmkv:image_cache_hits", "Image lookups served from cached KV (items).", "counter"),
     "image_cache_misses": ("mmkv:image_cache_misses", "Image lookups that had to encode (items).", "counter"),
+    "skill_cache_hits": ("mmkv:skill_cache_hits", "Skill lookups served from cached KV (items).", "counter"),
+    "skill_cache_misses": ("mmkv:skill_cache_misses", "Skill lookups that had to prefill (items).", "counter"),
+    "prefix_cache_query_tokens": ("mmkv:prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
+                                  "counter"),
+    "prefix_cache_hit_tokens": ("mmkv:prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache.",
+                                "counter"),
     "prefill_tokens": ("mmkv:prefill_tokens", "Tokens run through the language model at prefill.", "counter"),
-    "evictions": ("mmkv:cache_evictions", "Cache entries evicted to stay under the byte budget.", "counter"),
     "reused_tokens": ("mmkv:reused_tokens", "Prompt tokens spliced from cached KV instead of computed.", "counter"),
+    "evictions": ("mmkv:cache_evictions", "Cache entries evicted to stay under the byte budget.", "counter"),
     "cache_bytes": ("mmkv:cache_bytes", "Bytes of KV held by the cache.", "gauge"),
+    "cache_budget_bytes": ("mmkv:cache_budget_bytes", "The cache's byte budget.", "gauge"),
     "image_cache_entries": ("mmkv:image_cache_entries", "Images whose KV is cached.", "gauge"),
+    "skill_entries": ("mmkv:skill_cache_entries", "Skills whose KV is cached.", "gauge"),
+    "prefix_blocks": ("mmkv:prefix_cache_blocks", "Prompt-prefix blocks cached.", "gauge"),
     "registered_images": ("mmkv:registered_images", "Images registered with the engine, all tenants.", "gauge"),
 }
 
@@ -57,10 +66,9 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("mmkv:e2e_request_latency_seconds", "Request arrival to last token.",
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.prefix_queries = Counter("mmkv:prefix_cache_queries_tokens", "Prompt tokens looked up in the cache.",
-                                      registry=r)
-        self.prefix_hits = Counter("mmkv:prefix_cache_hits_tokens", "Prompt tokens served from cached KV.",
-                                   registry=r)
+        self.prompt_tokens = Counter("mmkv:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.cached_tokens = Counter("mmkv:cached_prompt_tokens",
+                                     "Prompt tokens whose KV came from any cache (usage.cached_tokens).", registry=r)
         self.image_tokens_reused = Counter("mmkv:image_cache_hits_tokens", "Image tokens spliced from cached KV.",
                                            registry=r)
         self.generation_tokens = Counter("mmkv:generation_tokens", "Completion tokens generated.", registry=r)
@@ -78,8 +86,8 @@ class ServerMetrics:
                            completion_tokens: int, image_tokens_reused: int) -> None:
         self.ttft.observe(ttft_s)
         self.e2e.observe(e2e_s)
-        self.prefix_queries.inc(prompt_tokens)
-        self.prefix_hits.inc(cached_tokens)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
         self.generation_tokens.inc(completion_tokens)
         self.image_tokens_reused.inc(image_tokens_reused)
 

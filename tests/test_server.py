@@ -86,17 +86,26 @@ def text(t: str) -> dict:
     return {"type": "text", "text": t}
 
 
-def stream_text(client: openai.OpenAI, messages, **kw) -> tuple[str, str, object]:
-    """(text, finish_reason, usage) of a streamed completion."""
-    pieces, finish, usage = [], None, None
+def stream_text(client: openai.OpenAI, messages, **kw) -> tuple[str, str, object, dict]:
+    """(text, finish_reason, usage, mmkv report) of a streamed completion."""
+    pieces, finish, usage, report = [], None, None, None
     for chunk in client.chat.completions.create(model="tiny", messages=messages, stream=True,
                                                 stream_options={"include_usage": True}, **kw):
         if chunk.usage is not None:
             usage = chunk.usage
+        report = (chunk.model_extra or {}).get("mmkv") or report
         for choice in chunk.choices:
             pieces.append(choice.delta.content or "")
             finish = choice.finish_reason or finish
-    return "".join(pieces), finish, usage
+    return "".join(pieces), finish, usage, report
+
+
+def ask(client: openai.OpenAI, messages, stream: bool = False, **kw) -> tuple[str, str, object, dict]:
+    """(text, finish_reason, usage, mmkv report) of one completion, streamed or not."""
+    if stream:
+        return stream_text(client, messages, **kw)
+    reply = client.chat.completions.create(model="tiny", messages=messages, **kw)
+    return reply.choices[0].message.content, reply.choices[0].finish_reason, reply.usage, reply.model_extra["mmkv"]
 
 
 @pytest.fixture(scope="session")
@@ -120,8 +129,20 @@ def live(tiny_dir):
     server.close()
 
 
-def expected(reference, messages, **kw):
-    return reference.generate(messages, max_new_tokens=MAX_TOKENS, temperature=0.0, **kw)
+def in_lockstep(client, reference, messages, stream=False, mmkv_options=None):
+    """Ask the server and the reference engine the same thing, in the same order (so both caches
+    hold the same history), and require the same answer and accounting. Returns the reference."""
+    options = mmkv_options or {}
+    want = reference.generate(messages, max_new_tokens=MAX_TOKENS, temperature=0.0, **options)
+    got, finish, usage, report = ask(client, messages, stream, max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"mmkv": options})
+    assert (got, finish) == (want.text, want.finish_reason)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens) == (
+        want.usage.prompt_tokens, want.usage.completion_tokens, want.usage.cached_tokens)
+    assert (report["image_tokens_reused"], report["vision_tower_runs"]) == (
+        want.image_tokens_reused, want.vision_tower_runs)
+    assert report["ttft_ms"] > 0
+    return want
 
 
 # ------------------------------------------------------------------ tests
@@ -136,12 +157,12 @@ def test_upload_three_turns_stream_and_reference(live, reference):
     info = reference.image_info(reference.add_image(red))
     assert (uploaded.width, uploaded.height, uploaded.image_tokens) == (info.width, info.height, info.image_tokens)
     again = client.files.create(file=("copy.png", red, "image/png"), purpose="vision")
-    assert again.id == uploaded.id
+    assert again.id == uploaded.id == reference.add_image(red)
     assert live.metrics()["mmkv:vision_tower_runs_total"] == 1
 
     turn1 = [{"role": "user", "content": [image_file(uploaded.id), text("what color is the shape ?")]}]
-    a1 = client.chat.completions.create(model="tiny", messages=turn1, max_tokens=MAX_TOKENS, temperature=0)
-    turn2 = turn1 + [{"role": "assistant", "content": a1.choices[0].message.content},
+    a1 = in_lockstep(client, reference, turn1).text
+    turn2 = turn1 + [{"role": "assistant", "content": a1},
                      {"role": "user", "content": [text("and here ? "), image_file(uploaded.id), text("what shape is it ?")]}]
     turn3 = [{"role": "system", "content": "You are a careful assistant. describe the image ."},
              {"role": "user", "content": "how many shapes are there ?"},
@@ -149,47 +170,30 @@ def test_upload_three_turns_stream_and_reference(live, reference):
              {"role": "user", "content": [text("look again at the shape"), image_file(uploaded.id)]}]
 
     before = live.metrics()
-    cached_total = 0
+    cached = 0
     for messages in (turn1, turn2, turn3):
-        want = expected(reference, messages)
-        got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
-        assert got.choices[0].message.content == want.text
-        assert got.choices[0].finish_reason == want.finish_reason
-        assert got.usage.prompt_tokens == want.usage.prompt_tokens
-        assert got.usage.completion_tokens == want.usage.completion_tokens
-        assert got.usage.prompt_tokens_details.cached_tokens == want.usage.cached_tokens > 0
-        report = got.model_extra["mmkv"]
-        assert report["vision_tower_runs"] == 0 and report["image_tokens_reused"] == want.image_tokens_reused > 0
-        assert report["ttft_ms"] > 0
-        streamed, finish, usage = stream_text(client, messages, max_tokens=MAX_TOKENS, temperature=0)
-        assert (streamed, finish) == (want.text, want.finish_reason)
-        assert usage.prompt_tokens_details.cached_tokens == want.usage.cached_tokens
-        cached_total += 2 * want.usage.cached_tokens
-
+        for stream in (False, True):
+            want = in_lockstep(client, reference, messages, stream)
+            assert want.vision_tower_runs == 0 and want.image_tokens_reused > 0
+            cached += want.usage.cached_tokens
     after = live.metrics()
     assert after["mmkv:vision_tower_runs_total"] == 1, "uploaded once, never re-encoded"
-    assert after["mmkv:prefix_cache_hits_tokens_total"] - before["mmkv:prefix_cache_hits_tokens_total"] == cached_total
+    assert after["mmkv:cached_prompt_tokens_total"] - before["mmkv:cached_prompt_tokens_total"] == cached > 0
     key = 'mmkv:requests_total{endpoint="/v1/chat/completions",status="200"}'
-    assert after[key] - before.get(key, 0) == 6
-    assert after["mmkv:time_to_first_token_seconds_count"] - before.get("mmkv:time_to_first_token_seconds_count", 0) == 6
-    assert after["mmkv:image_cache_hits_tokens_total"] > before.get("mmkv:image_cache_hits_tokens_total", 0)
+    assert after[key] - before[key] == 6
+    assert after["mmkv:time_to_first_token_seconds_count"] - before["mmkv:time_to_first_token_seconds_count"] == 6
+    assert after["mmkv:image_cache_hits_total"] - before["mmkv:image_cache_hits_total"] >= 6
+    assert after["mmkv:image_cache_hits_tokens_total"] > before["mmkv:image_cache_hits_tokens_total"]
+    ref_stats = reference.stats()  # same history, same engine counters
+    assert after["mmkv:prefix_cache_hits_tokens_total"] == ref_stats["prefix_cache_hit_tokens"] > 0
+    assert after["mmkv:prefix_cache_queries_tokens_total"] == ref_stats["prefix_cache_query_tokens"]
 
     # reuse=false is the reference path: a full recompute, vision tower included.
-    want = expected(reference, turn3, reuse=False)
-    got = client.chat.completions.create(model="tiny", messages=turn3, max_tokens=MAX_TOKENS, temperature=0,
-                                         extra_body={"mmkv": {"reuse": False}})
-    assert got.choices[0].message.content == want.text
-    assert got.usage.prompt_tokens_details.cached_tokens == 0
-    assert got.model_extra["mmkv"]["vision_tower_runs"] == 1
-    assert got.model_extra["mmkv"]["image_tokens_reused"] == 0
+    want = in_lockstep(client, reference, turn3, mmkv_options={"reuse": False})
+    assert want.usage.cached_tokens == 0 and want.vision_tower_runs == 1 and want.image_tokens_reused == 0
     assert live.metrics()["mmkv:vision_tower_runs_total"] == 2
-
     # seam_tokens / rope_policy pass through to the engine unchanged.
-    want = expected(reference, turn1, seam_tokens=0, rope_policy="native")
-    got = client.chat.completions.create(model="tiny", messages=turn1, max_tokens=MAX_TOKENS, temperature=0,
-                                         extra_body={"mmkv": {"seam_tokens": 0, "rope_policy": "native"}})
-    assert got.choices[0].message.content == want.text
-    assert got.usage.prompt_tokens_details.cached_tokens == want.usage.cached_tokens
+    in_lockstep(client, reference, turn2, stream=True, mmkv_options={"seam_tokens": 0, "rope_policy": "native"})
 
     assert [f.id for f in client.files.list().data] == [uploaded.id]
     assert client.files.content(uploaded.id).content == red
@@ -210,7 +214,7 @@ def test_data_url_sampling_and_stop_match_engine(live, reference):
     want = reference.generate(messages, max_new_tokens=MAX_TOKENS, **settings)
     got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, **settings)
     assert got.choices[0].message.content == want.text
-    streamed, _, _ = stream_text(client, messages, max_completion_tokens=MAX_TOKENS, **settings)
+    streamed = stream_text(client, messages, max_completion_tokens=MAX_TOKENS, **settings)[0]
     assert streamed == want.text
     # A stop string cut from the reference's own greedy answer: both must stop there.
     greedy = reference.generate(messages, max_new_tokens=MAX_TOKENS, temperature=0.0).text
