@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mmkv.errors import InvalidImageError, InvalidRequestError, MMKVError
+from mmkv.errors import InvalidImageError, InvalidRequestError, MMKVError, UnknownImageError
 
 from .auth import KeyRing
 from .files import FileStore, FileStoreFullError, StoredFile, new_stored_file, resolve_image_url
@@ -251,7 +251,10 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
     async def delete_file(request: Request, file_id: str, tenant: str = Depends(tenant_of)) -> FileDeleted:
         """Drop the bytes and the image's cached KV."""
         files.get(tenant, file_id)
-        await run_job(request, lambda engine, _: engine.remove_image(file_id, tenant=tenant))
+        try:
+            await run_job(request, lambda engine, _: engine.remove_image(file_id, tenant=tenant))
+        except UnknownImageError:
+            pass  # the engine no longer has it; the bytes still go
         files.remove(tenant, file_id)
         return FileDeleted(id=file_id)
 
@@ -317,6 +320,11 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
                       prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))
         mmkv_report = MMKVReport(ttft_ms=round(ttft_s * 1000, 3), image_tokens_reused=result.image_tokens_reused,
                                  vision_tower_runs=result.vision_tower_runs)
+        log.info("chat completion", extra={
+            "ttft_ms": mmkv_report.ttft_ms, "queue_ms": round((job.started_at - arrived) * 1000, 3),
+            "prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
+            "completion_tokens": u.completion_tokens, "finish_reason": result.finish_reason,
+            "image_tokens_reused": result.image_tokens_reused, "vision_tower_runs": result.vision_tower_runs})
         return mmkv_report, usage
 
     @v1.post("/chat/completions", response_model=ChatCompletion,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import socket
 import subprocess
@@ -291,8 +292,11 @@ def test_mmkv_serve_command(tiny_dir):
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    assert any('"logger": "mmkv.cli"' in line and "loaded" in line for line in lines), out
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert any(r["logger"] == "mmkv.cli" and r["msg"].startswith("loaded") for r in records), out
+    completion = next(r for r in records if r["msg"] == "chat completion")
+    assert completion["completion_tokens"] == got.usage.completion_tokens and completion["ttft_ms"] > 0
+    assert any(r["logger"] == "uvicorn.access" and r["status"] == 401 for r in records)
 
 
 def test_mmkv_serve_bad_model_dir_says_what_to_pass(tmp_path):
