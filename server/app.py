@@ -188,10 +188,10 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
             done, _ = await asyncio.wait({pending, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if pending in done:
                 return pending.result()
-            _cancel(job)
             raise ClientDisconnected
-        except asyncio.CancelledError:
+        except (ClientDisconnected, asyncio.CancelledError):
             _cancel(job)
+            pending.cancel()  # nobody will read its outcome
             raise
         finally:
             watcher.cancel()
@@ -338,11 +338,8 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return await stream_chat(request, body, messages, kwargs, completion_id)
-        try:
-            result, job = await run_job(
-                request, lambda engine, should_stop: engine.generate(messages, should_stop=should_stop, **kwargs))
-        except ClientDisconnected:
-            return Response(status_code=499)
+        result, job = await run_job(
+            request, lambda engine, should_stop: engine.generate(messages, should_stop=should_stop, **kwargs))
         if result.finish_reason == "cancelled":  # the client left as the job finished
             return Response(status_code=499)
         mmkv_report, usage = report(request, job, result)
@@ -366,8 +363,6 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
         first_delta = asyncio.ensure_future(deltas.get())
         try:
             first = await _until_done(request, job, first_delta)
-        except ClientDisconnected:
-            return Response(status_code=499)
         finally:
             first_delta.cancel()
         if first is _END and job.future.exception() is not None:
@@ -458,6 +453,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         if exc.http_status >= 500:
             log.error("%s: %s", type(exc).__name__, exc.message)
         return _mmkv_error_response(exc)
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(_request: Request, _exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(RequestValidationError)
     async def schema_error(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -39,6 +39,10 @@ class ControlledEngine:
         self.token_delay_s = 0.0
         self.results = []
 
+    def forget_entries(self) -> None:
+        while self.entered.acquire(blocking=False):
+            pass
+
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
@@ -68,9 +72,9 @@ def live(controlled):
     server.close()
 
 
-def chat(live, body: dict, headers=AUTH, **kw) -> httpx.Response:
+def chat(live, body: dict, headers=AUTH, timeout: float = 60) -> httpx.Response:
     body = {"model": "tiny", "max_tokens": 3, "temperature": 0, **body}
-    return httpx.post(f"{live.base_url}/v1/chat/completions", json=body, headers=headers, timeout=60, **kw)
+    return httpx.post(f"{live.base_url}/v1/chat/completions", json=body, headers=headers, timeout=timeout)
 
 
 def user(*parts) -> dict:
@@ -186,6 +190,7 @@ def test_422_schema(live):
 
 
 def test_429_when_the_queue_is_full(live, controlled):
+    controlled.forget_entries()
     controlled.gate.clear()
     responses = []
 
@@ -212,8 +217,6 @@ def test_429_when_the_queue_is_full(live, controlled):
         controlled.gate.set()
         for t in threads:
             t.join(60)
-    while controlled.entered.acquire(blocking=False):
-        pass
     assert [r.status_code for r in responses] == [200] * (MAX_QUEUE + 1)
     assert_still_serving(live)
 
@@ -261,6 +264,28 @@ def test_disconnect_mid_stream_frees_the_worker(live, controlled):
     finally:
         controlled.token_delay_s = 0.0
     assert_still_serving(live)
+
+
+def test_disconnect_while_queued_dequeues(live, controlled):
+    controlled.forget_entries()
+    controlled.gate.clear()
+    first: list[httpx.Response] = []
+    runner = threading.Thread(target=lambda: first.append(chat(live, {"messages": [{"role": "user", "content": "hi"}]})))
+    try:
+        runner.start()
+        assert controlled.entered.acquire(timeout=30)
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up while its job waits in the queue
+            chat(live, {"messages": [{"role": "user", "content": "hello"}]}, timeout=1.0)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{live.base_url}/health").json()["queue_depth"] != 0:
+            assert time.monotonic() < deadline, "the abandoned job stayed queued"
+            time.sleep(0.02)
+    finally:
+        controlled.gate.set()
+        runner.join(60)
+    assert first[0].status_code == 200
+    assert not controlled.entered.acquire(timeout=0.5), "the abandoned job never reached the engine"
+    assert live.metrics()['mmkv:requests_total{endpoint="/v1/chat/completions",status="499"}'] >= 1
 
 
 def test_no_500_was_ever_answered(live):
