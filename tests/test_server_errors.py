@@ -6,6 +6,8 @@ leaves mid-stream. The parts that need no model (worker, file store, keys) are t
 from __future__ import annotations
 
 import base64
+import functools
+import http.server
 import json
 import threading
 import time
@@ -65,8 +67,27 @@ def controlled(tiny_dir):  # noqa: F811 - the fixture imported above
 
 
 @pytest.fixture(scope="module")
-def live(controlled):
-    settings = ServerSettings(api_keys=(KEY,), max_queue=MAX_QUEUE, max_body_bytes=MAX_BODY, max_images_per_request=2)
+def image_dirs(tmp_path_factory):
+    """(allowed dir, a sibling outside it, an http server on loopback serving the allowed dir)."""
+    root = tmp_path_factory.mktemp("images")
+    allowed, outside = root / "allowed", root / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    (allowed / "blue.png").write_bytes(png_bytes((20, 20, 230)))
+    (outside / "secret.png").write_bytes(png_bytes((1, 1, 1)))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(allowed))
+    handler.log_message = lambda *a: None
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield allowed, outside, f"http://127.0.0.1:{httpd.server_address[1]}/"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def live(controlled, image_dirs):
+    allowed, _, http_root = image_dirs
+    settings = ServerSettings(api_keys=(KEY,), max_queue=MAX_QUEUE, max_body_bytes=MAX_BODY, max_images_per_request=2,
+                              allowed_image_url_prefixes=(f"file://{allowed}/", http_root))
     server = LiveServer(create_app(controlled, settings))
     yield server
     server.close()
@@ -126,6 +147,25 @@ def test_400_bad_image_bad_part_prompt_too_long(live):
     assert_error(chat(live, {"messages": [{"role": "user", "content": "hi"}], "mmkv": {"rope_policy": "sideways"}}),
                  400, "invalid_request", "rope_policy")
     assert_still_serving(live)
+
+
+def test_allowed_image_url_prefixes_only(live, image_dirs):
+    allowed, outside, http_root = image_dirs
+    reference = chat(live, user({"type": "image_url", "image_url": {"url": data_url((allowed / "blue.png").read_bytes())}},
+                                text("what color ?"))).json()["choices"][0]["message"]["content"]
+    for url in (f"file://{allowed}/blue.png", f"{http_root}blue.png"):
+        response = chat(live, user({"type": "image_url", "image_url": {"url": url}}, text("what color ?")))
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"] == reference
+    param = "messages[0].content[0].image_url.url"
+    escape = f"file://{allowed}/../{outside.name}/secret.png"  # textually under the prefix, really outside
+    assert_error(chat(live, user({"type": "image_url", "image_url": {"url": escape}})), 400, "image_url_not_allowed", param)
+    assert_error(chat(live, user({"type": "image_url", "image_url": {"url": f"file://{outside}/secret.png"}})), 400,
+                 "image_url_not_allowed", param)
+    assert_error(chat(live, user({"type": "image_url", "image_url": {"url": f"{http_root}missing.png"}})), 400,
+                 "invalid_image", param)
+    assert_error(chat(live, user({"type": "image_url", "image_url": {"url": f"file://{allowed}/missing.png"}})), 400,
+                 "invalid_image", param)
 
 
 # ------------------------------------------------------------------ 401, 404, 413, 422
