@@ -8,12 +8,15 @@ from __future__ import annotations
 import base64
 import functools
 import http.server
+import io
 import json
+import random
 import threading
 import time
 
 import httpx
 import pytest
+from PIL import Image
 
 import mmkv
 from mmkv.server.app import ServerSettings, create_app
@@ -27,6 +30,7 @@ KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_QUEUE = 8
 MAX_BODY = 256 << 10
+FILE_STORE = 16 << 10
 
 
 class ControlledEngine:
@@ -87,7 +91,7 @@ def image_dirs(tmp_path_factory):
 def live(controlled, image_dirs):
     allowed, _, http_root = image_dirs
     settings = ServerSettings(api_keys=(KEY,), max_queue=MAX_QUEUE, max_body_bytes=MAX_BODY, max_images_per_request=2,
-                              allowed_image_url_prefixes=(f"file://{allowed}/", http_root))
+                              allowed_image_url_prefixes=(f"file://{allowed}/", http_root), file_store_bytes=FILE_STORE)
     server = LiveServer(create_app(controlled, settings))
     yield server
     server.close()
@@ -207,6 +211,17 @@ def test_413_body_too_large(live):
     response = httpx.post(f"{live.base_url}/v1/chat/completions", content=chunked(),
                           headers={**AUTH, "Content-Type": "application/json"})
     assert_error(response, 413, "request_too_large")
+    assert_still_serving(live)
+
+
+def test_507_file_store_full(live):
+    noise = Image.frombytes("RGB", (112, 112), random.Random(0).randbytes(112 * 112 * 3))
+    buf = io.BytesIO()
+    noise.save(buf, "PNG")
+    assert FILE_STORE < len(buf.getvalue()) < MAX_BODY
+    upload = httpx.post(f"{live.base_url}/v1/files", headers=AUTH, data={"purpose": "vision"},
+                        files={"file": ("noise.png", buf.getvalue(), "image/png")})
+    assert_error(upload, 507, "file_store_full", "file")
     assert_still_serving(live)
 
 
@@ -330,7 +345,7 @@ def test_disconnect_while_queued_dequeues(live, controlled):
 
 def test_no_500_was_ever_answered(live):
     """Runs last in this module: every bad input above got a 4xx."""
-    assert not [k for k in live.metrics() if k.startswith("mmkv:requests_total") and 'status="5' in k]
+    assert not [k for k in live.metrics() if k.startswith("mmkv:requests_total") and 'status="500"' in k]
 
 
 def image_file_for(live) -> dict:
