@@ -344,7 +344,7 @@ def test_disconnect_while_queued_dequeues(live, controlled):
 
 
 def test_no_500_was_ever_answered(live):
-    """Runs last in this module: every bad input above got a 4xx."""
+    """Runs after every HTTP test in this module: no bad input above was answered with a 500."""
     assert not [k for k in live.metrics() if k.startswith("mmkv:requests_total") and 'status="500"' in k]
 
 
