@@ -25,7 +25,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import mmkv
 from mmkv.server.app import ServerSettings, create_app
-from mmkv.tiny import save_tiny_checkpoint
 
 MAX_TOKENS = 6
 
@@ -110,8 +109,9 @@ def ask(client: openai.OpenAI, messages, stream: bool = False, **kw) -> tuple[st
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("tiny") / "tiny")
+def tiny_dir(tiny_dirs):
+    """conftest's position-sensitive tiny Qwen2.5-VL: a splice that moved a key wrongly would show."""
+    return tiny_dirs["qwen2_5_vl"]
 
 
 # ------------------------------------------------------------------ fixtures
@@ -228,10 +228,10 @@ def test_data_url_sampling_and_stop_match_engine(live, reference):
         want.text, want.finish_reason)
 
 
-def test_models_health_openapi(live):
-    assert [m.id for m in live.client().models.list().data] == ["tiny"]
+def test_models_health_openapi(live, tiny_dir):
+    assert [m.id for m in live.client().models.list().data] == [tiny_dir.name]
     health = httpx.get(f"{live.base_url}/health").json()
-    assert health["status"] == "ok" and health["model"] == "tiny"
+    assert health["status"] == "ok" and health["model"] == tiny_dir.name
     schema = httpx.get(f"{live.base_url}/openapi.json").json()
     assert {"/v1/chat/completions", "/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content",
             "/v1/models"} <= set(schema["paths"])
