@@ -7,6 +7,7 @@ settings on a second engine loaded from the same checkpoint; the HTTP layer adds
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -24,6 +25,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 import mmkv
+from mmkv.engine import BUNDLED_MODEL, REPO_ROOT as REPO
 from mmkv.server.app import ServerSettings, create_app
 
 MAX_TOKENS = 6
@@ -265,38 +267,64 @@ def test_api_keys_scope_files_and_cache_per_key(tiny_dir):
         live.close()
 
 
-def test_mmkv_serve_command(tiny_dir):
-    """`mmkv serve` end to end: env vars read, the flag wins over its env var, the openai client works."""
+@contextlib.contextmanager
+def mmkv_serve(args: list[str], env: dict[str, str], log_path):
+    """`python -m mmkv.cli serve ARGS --port P` as a subprocess, up and healthy; yields its base URL.
+    Output goes to `log_path` (a pipe nobody reads could fill and block the server)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    env = dict(os.environ, MMKV_PORT="1", MMKV_API_KEY="sk-env", MMKV_MODEL_DIR=str(tiny_dir), MMKV_LOG_JSON="1")
-    proc = subprocess.Popen([sys.executable, "-m", "mmkv.cli", "serve", "--port", str(port)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "mmkv.cli", "serve", *args, "--port", str(port)],
+                                env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 90
         while True:
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, open(log_path).read()
             assert time.monotonic() < deadline, "mmkv serve did not come up"
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-env", max_retries=0)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_mmkv_serve_command(tiny_dir, tmp_path):
+    """`mmkv serve` end to end: env vars read, the flag wins over its env var, the openai client works."""
+    env = dict(MMKV_PORT="1", MMKV_API_KEY="sk-env", MMKV_MODEL_DIR=str(tiny_dir), MMKV_LOG_JSON="1")
+    with mmkv_serve([], env, tmp_path / "serve.log") as base_url:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="sk-env", max_retries=0)
         got = client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
         assert got.usage.completion_tokens >= 1
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
-    finally:
-        proc.terminate()
-        out, _ = proc.communicate(timeout=30)
+            openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0).models.list()
+    out = (tmp_path / "serve.log").read_text()
     records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert any(r["logger"] == "mmkv.cli" and r["msg"].startswith("loaded") for r in records), out
     completion = next(r for r in records if r["msg"] == "chat completion")
     assert completion["completion_tokens"] == got.usage.completion_tokens and completion["ttft_ms"] > 0
     assert any(r["logger"] == "uvicorn.access" and r["status"] == 401 for r in records)
+
+
+@pytest.mark.skipif(not BUNDLED_MODEL.is_dir(), reason="the bundled sample model is not in samples/ yet")
+def test_mmkv_serve_without_a_model_dir_answers_the_docs_example(tmp_path):
+    """docs/server.md's curl example, through the openai client: upload a sample image, ask about it."""
+    with mmkv_serve([], {}, tmp_path / "serve.log") as base_url:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [BUNDLED_MODEL.name]
+        image = REPO / "samples" / "vqa" / "images" / "color-000.png"
+        uploaded = client.files.create(file=open(image, "rb"), purpose="vision")
+        messages = [{"role": "user", "content": [image_file(uploaded.id), text("what color is the shape ?")]}]
+        reply = client.chat.completions.create(model=BUNDLED_MODEL.name, messages=messages, max_tokens=8,
+                                               temperature=0)
+        assert reply.choices[0].message.content.strip()
+        assert reply.usage.prompt_tokens_details.cached_tokens >= uploaded.image_tokens
+        assert reply.model_extra["mmkv"]["vision_tower_runs"] == 0
 
 
 def test_mmkv_serve_bad_model_dir_says_what_to_pass(tmp_path):
