@@ -262,6 +262,11 @@ def test_api_keys_scope_files_and_cache_per_key(tiny_dir):
         got = a.chat.completions.create(model="tiny", max_tokens=2, temperature=0, messages=[
             {"role": "user", "content": [image_file(file_a.id), text("what color ?")]}])
         assert got.model_extra["mmkv"]["vision_tower_runs"] == 0
+        # Text prefixes are scoped too: key-a's cached prompt is no hit for key-b.
+        prompt = [{"role": "system", "content": "you are a careful assistant . " * 8}, {"role": "user", "content": "hi"}]
+        cached = [c.chat.completions.create(model="tiny", max_tokens=1, messages=prompt).usage.prompt_tokens_details
+                  .cached_tokens for c in (a, a, b)]
+        assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0
         assert httpx.get(f"{live.base_url}/health").status_code == 200
     finally:
         live.close()
