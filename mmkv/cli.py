@@ -127,7 +127,9 @@ def serve(
     if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(f"listening on {host} with no --api-key: anyone who can reach it can use it")
     log.info(f"OpenAI base URL: http://{host}:{port}/v1")
-    uvicorn.run(create_app(engine, settings), host=host, port=port, log_config=config, log_level=log_level.lower())
+    # On shutdown, streams still running after 10 s are cut; their generations stop at the next token.
+    uvicorn.run(create_app(engine, settings), host=host, port=port, log_config=config, log_level=log_level.lower(),
+                timeout_graceful_shutdown=10)
 
 
 from mmkv.vqa_eval.cli import eval_command  # noqa: E402  (its heavy imports happen inside)

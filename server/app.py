@@ -260,44 +260,6 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
 
     # ------------------------------------------------------------ chat
 
-    async def engine_messages(body: ChatCompletionRequest, tenant: str) -> list[dict[str, Any]]:
-        """The request's messages in the engine's shape; every image part checked and resolved."""
-        out, images = [], 0
-        for i, message in enumerate(body.messages):
-            role = "system" if message.role == "developer" else message.role
-            if message.content is None:
-                if message.role != "assistant":
-                    raise InvalidRequestError(f"messages[{i}].content is required for role {message.role!r}",
-                                              param=f"messages[{i}].content")
-                out.append({"role": role, "content": ""})
-                continue
-            if isinstance(message.content, str):
-                out.append({"role": role, "content": message.content})
-                continue
-            parts = []
-            for j, raw in enumerate(message.content):
-                param = f"messages[{i}].content[{j}]"
-                part = parse_content_part(raw, param)
-                if isinstance(part, TextPart):
-                    parts.append({"type": "text", "text": part.text})
-                    continue
-                images += 1
-                if images > settings.max_images_per_request:
-                    raise InvalidRequestError(
-                        f"at most {settings.max_images_per_request} images per request", param=param)
-                if isinstance(part, ImageURLPart) and part.image_url.url.startswith("mmkv://"):
-                    # An uploaded id written as a URL: the same as an image_file part.
-                    part = ImageFilePart(type="image_file", image_file={"file_id": part.image_url.url[7:]})
-                if isinstance(part, ImageURLPart):
-                    url = await resolve_image_url(part.image_url.url, settings.allowed_image_url_prefixes,
-                                                  settings.max_body_bytes, f"{param}.image_url.url")
-                    parts.append({"type": "image_url", "image_url": {"url": url}})
-                elif isinstance(part, ImageFilePart):
-                    file_id = files.get(tenant, part.image_file.file_id, param=f"{param}.image_file.file_id").id
-                    parts.append({"type": "image_file", "image_file": {"file_id": file_id}})
-            out.append({"role": role, "content": parts})
-        return out
-
     def generate_kwargs(body: ChatCompletionRequest, tenant: str) -> dict[str, Any]:
         return dict(
             max_new_tokens=body.max_completion_tokens or body.max_tokens or settings.default_max_tokens,
@@ -333,7 +295,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request, tenant: str = Depends(tenant_of)):
         if body.n != 1:
             raise InvalidRequestError("only n=1 is supported", param="n")
-        messages = await engine_messages(body, tenant)
+        messages = await engine_messages(body, tenant, files, settings)
         kwargs = generate_kwargs(body, tenant)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
@@ -428,6 +390,47 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
 
     app.include_router(v1)
     return app
+
+
+async def engine_messages(body: ChatCompletionRequest, tenant: str, files: FileStore,
+                          settings: ServerSettings) -> list[dict[str, Any]]:
+    """The request's messages in the engine's shape, every part checked: image_file ids must be
+    the tenant's files (404), image URLs must be data: URLs or allowed (fetched here, 400)."""
+    out, images = [], 0
+    for i, message in enumerate(body.messages):
+        role = "system" if message.role == "developer" else message.role
+        if message.content is None and message.role != "assistant":
+            raise InvalidRequestError(f"messages[{i}].content is required for role {message.role!r}",
+                                      param=f"messages[{i}].content")
+        if message.content is None or isinstance(message.content, str):
+            out.append({"role": role, "content": message.content or ""})
+            continue
+        parts = []
+        for j, raw in enumerate(message.content):
+            param = f"messages[{i}].content[{j}]"
+            part = parse_content_part(raw, param)
+            if isinstance(part, TextPart):
+                parts.append({"type": "text", "text": part.text})
+                continue
+            images += 1
+            if images > settings.max_images_per_request:
+                raise InvalidRequestError(f"at most {settings.max_images_per_request} images per request", param=param)
+            parts.append(await _engine_image_part(part, param, tenant, files, settings))
+        out.append({"role": role, "content": parts})
+    return out
+
+
+async def _engine_image_part(part: ImageURLPart | ImageFilePart, param: str, tenant: str, files: FileStore,
+                             settings: ServerSettings) -> dict[str, Any]:
+    if isinstance(part, ImageURLPart) and part.image_url.url.startswith("mmkv://"):
+        # An uploaded id written as a URL: the same as an image_file part.
+        part = ImageFilePart(type="image_file", image_file={"file_id": part.image_url.url.removeprefix("mmkv://")})
+    if isinstance(part, ImageFilePart):
+        file_id = files.get(tenant, part.image_file.file_id, param=f"{param}.image_file.file_id").id
+        return {"type": "image_file", "image_file": {"file_id": file_id}}
+    url = await resolve_image_url(part.image_url.url, settings.allowed_image_url_prefixes, settings.max_body_bytes,
+                                  f"{param}.image_url.url")
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 async def _disconnected(request: Request) -> None:
