@@ -69,8 +69,10 @@ class ServerSettings:
     default_max_tokens: int = 512
 
     def __post_init__(self):
-        assert self.max_queue >= 1 and self.max_body_bytes > 0 and self.file_store_bytes > 0
-        assert self.max_images_per_request >= 0 and self.default_max_tokens >= 1
+        assert self.max_queue >= 1, "max_queue must be at least 1"
+        assert self.max_body_bytes > 0 and self.file_store_bytes > 0, "byte limits must be positive"
+        assert self.max_images_per_request >= 0, "max_images_per_request must be >= 0"
+        assert self.default_max_tokens >= 1, "the default max_tokens must be at least 1"
 
 
 class BodyTooLargeError(MMKVError):
