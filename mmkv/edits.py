@@ -98,8 +98,11 @@ def extended_prompt(ids: list[int], keys: list[str | None], recent: list[RecentP
 def find_change(ids: list[int], keys: list[str | None], recent: list[RecentPrompt],
                 max_tokens: int) -> FieldChange | None:
     """The smallest in-place substitution (at most `max_tokens` old and new tokens) that turns a
-    recent prompt into a prefix of `ids`; None if there is none."""
+    recent prompt into a prefix of `ids`; None if there is none, or if `ids` simply continues a
+    recent prompt (a later turn of a conversation whose change was already handled)."""
     pairs = list(zip(ids, keys))
+    if any(pairs[:len(p.client_ids)] == list(zip(p.client_ids, p.client_keys)) for p in recent):
+        return None
     for prompt in reversed(recent):
         old = list(zip(prompt.client_ids, prompt.client_keys))
         start = _common_prefix(pairs, old)

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from mmkv.edits import (
     FieldChange,
     RecentPrompt,
     describe_change,
+    extended_prompt,
     find_change,
     insert_before_final_turn,
     parse_edit_policy,

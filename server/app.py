@@ -9,6 +9,7 @@ resolved to engine parts (400/404) -> one job on the engine worker (429 when the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -46,6 +47,12 @@ from .schemas import (
     Model,
     ModelList,
     PromptTokensDetails,
+    SkillCreate,
+    SkillDeleted,
+    SkillList,
+    SkillObject,
+    SkillPart,
+    StateUpdatePart,
     TextPart,
     Usage,
     parse_content_part,
@@ -260,6 +267,31 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
         files.remove(tenant, file_id)
         return FileDeleted(id=file_id)
 
+    # ------------------------------------------------------------ skills
+
+    @v1.post("/skills", response_model=SkillObject)
+    async def create_skill(request: Request, body: SkillCreate, tenant: str = Depends(tenant_of)) -> SkillObject:
+        """Precompile a text skill in isolation; reference it with {"type": "skill", "skill_id": id}."""
+        info, _ = await run_job(request, lambda engine, _: engine.skill_info(
+            engine.add_skill(body.name, body.text, tenant=tenant), tenant=tenant))
+        return _skill_object(info)
+
+    @v1.get("/skills", response_model=SkillList)
+    async def list_skills(request: Request, tenant: str = Depends(tenant_of)) -> SkillList:
+        infos, _ = await run_job(request, lambda engine, _: engine.list_skills(tenant))
+        return SkillList(data=[_skill_object(i) for i in infos])
+
+    @v1.get("/skills/{skill_id}", response_model=SkillObject)
+    async def get_skill(request: Request, skill_id: str, tenant: str = Depends(tenant_of)) -> SkillObject:
+        info, _ = await run_job(request, lambda engine, _: engine.skill_info(skill_id, tenant))
+        return _skill_object(info)
+
+    @v1.delete("/skills/{skill_id}", response_model=SkillDeleted)
+    async def delete_skill(request: Request, skill_id: str, tenant: str = Depends(tenant_of)) -> SkillDeleted:
+        """Drop the skill and its cached KV."""
+        await run_job(request, lambda engine, _: engine.remove_skill(skill_id, tenant))
+        return SkillDeleted(id=skill_id)
+
     # ------------------------------------------------------------ chat
 
     def generate_kwargs(body: ChatCompletionRequest, tenant: str) -> dict[str, Any]:
@@ -267,7 +299,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
             max_new_tokens=body.max_completion_tokens or body.max_tokens or settings.default_max_tokens,
             temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop_list(),
             reuse=body.mmkv.reuse, seam_tokens=body.mmkv.seam_tokens, rope_policy=body.mmkv.rope_policy,
-            tenant=tenant,
+            edit_policy=body.mmkv.edit_policy, tenant=tenant,
         )
 
     def report(request: Request, job: Job, result) -> tuple[MMKVReport, Usage]:
@@ -283,7 +315,11 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
                       total_tokens=u.prompt_tokens + u.completion_tokens,
                       prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))
         mmkv_report = MMKVReport(ttft_ms=round(ttft_s * 1000, 3), image_tokens_reused=result.image_tokens_reused,
-                                 vision_tower_runs=result.vision_tower_runs)
+                                 vision_tower_runs=result.vision_tower_runs,
+                                 prefix_tokens_reused=result.prefix_tokens_reused,
+                                 skill_tokens_reused=result.skill_tokens_reused,
+                                 lm_tokens_computed=result.lm_tokens_computed,
+                                 edit=dataclasses.asdict(result.edit) if result.edit else None)
         log.info("chat completion", extra={
             "ttft_ms": mmkv_report.ttft_ms, "queue_ms": round((job.started_at - arrived) * 1000, 3),
             "prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
@@ -411,8 +447,8 @@ async def engine_messages(body: ChatCompletionRequest, tenant: str, files: FileS
         for j, raw in enumerate(message.content):
             param = f"messages[{i}].content[{j}]"
             part = parse_content_part(raw, param)
-            if isinstance(part, TextPart):
-                parts.append({"type": "text", "text": part.text})
+            if isinstance(part, (TextPart, SkillPart, StateUpdatePart)):
+                parts.append(part.model_dump())  # the engine checks skill ids per tenant (404)
                 continue
             images += 1
             if images > settings.max_images_per_request:
@@ -439,6 +475,10 @@ async def _disconnected(request: Request) -> None:
     """Returns once the client has disconnected (the body must already have been read)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _skill_object(info) -> SkillObject:
+    return SkillObject(id=info.skill_id, name=info.name, tokens=info.tokens, created_at=info.created_at)
 
 
 def _file_object(f: StoredFile) -> FileObject:

@@ -42,11 +42,28 @@ class ImageFilePart(BaseModel):
     image_file: ImageFile
 
 
-ContentPart = Annotated[TextPart | ImageURLPart | ImageFilePart, Field(discriminator="type")]
+class SkillPart(BaseModel):
+    """A text skill precompiled through /v1/skills, spliced in at this place."""
+
+    type: Literal["skill"]
+    skill_id: str = Field(min_length=1)
+
+
+class StateUpdatePart(BaseModel):
+    """Renders the erratum line: '[STATE UPDATE] <field> has just changed to <value>; ...'."""
+
+    type: Literal["state_update"]
+    field: str = Field(min_length=1)
+    value: str | int | float | bool
+
+
+ContentPart = Annotated[TextPart | ImageURLPart | ImageFilePart | SkillPart | StateUpdatePart,
+                        Field(discriminator="type")]
 _content_part = TypeAdapter(ContentPart)
+PART_TYPES = "'text', 'image_url', 'image_file', 'skill' or 'state_update'"
 
 
-def parse_content_part(raw: Any, param: str) -> TextPart | ImageURLPart | ImageFilePart:
+def parse_content_part(raw: Any, param: str) -> TextPart | ImageURLPart | ImageFilePart | SkillPart | StateUpdatePart:
     """One content part, or InvalidRequestError (400) naming `param` and what is wrong."""
     try:
         return _content_part.validate_python(raw)
@@ -57,7 +74,7 @@ def parse_content_part(raw: Any, param: str) -> TextPart | ImageURLPart | ImageF
             field = ".".join(str(p) for p in err["loc"][1:])
             message = f"invalid {kind} part: {field}: {err['msg']}"
         else:
-            message = f"content part of type {kind!r} is not supported; use 'text', 'image_url' or 'image_file'"
+            message = f"content part of type {kind!r} is not supported; use {PART_TYPES}"
         raise InvalidRequestError(message, param=param) from None
 
 
@@ -80,6 +97,8 @@ class MMKVOptions(BaseModel):
     reuse: bool = Field(True, description="Splice cached image/prefix KV. False recomputes everything (the reference).")
     seam_tokens: int | None = Field(None, ge=0, description="Tokens recomputed after each spliced chunk.")
     rope_policy: str | None = Field(None, description="How cached keys are moved to new positions.")
+    edit_policy: str | None = Field(None, description="What to do when the prompt equals a recent one but for a "
+                                    "changed field: recompute, erratum, in_place or selective@K.")
 
 
 class ChatCompletionRequest(BaseModel):
@@ -125,6 +144,37 @@ class MMKVReport(BaseModel):
     ttft_ms: float = Field(description="Request arrival to first token, queue wait included.")
     image_tokens_reused: int
     vision_tower_runs: int = Field(description="Vision tower runs this request caused.")
+    prefix_tokens_reused: int = Field(0, description="Leading prompt tokens taken from the prefix cache.")
+    skill_tokens_reused: int = Field(0, description="Skill tokens spliced from cached KV.")
+    lm_tokens_computed: int = Field(0, description="Prompt tokens the language model computed.")
+    edit: dict[str, Any] | None = Field(None, description="The edit policy's report when a changed field was "
+                                        "detected or an edit policy was asked for.")
+
+
+class SkillCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=256)
+    text: str = Field(min_length=1)
+
+
+class SkillObject(BaseModel):
+    id: str
+    object: Literal["skill"] = "skill"
+    name: str
+    tokens: int
+    created_at: int
+
+
+class SkillList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[SkillObject]
+
+
+class SkillDeleted(BaseModel):
+    id: str
+    object: Literal["skill"] = "skill"
+    deleted: bool = True
 
 
 class AssistantMessage(BaseModel):

@@ -223,6 +223,28 @@ def test_edit_policies_recompute_what_they_say(engine, policy):
     engine.check_integrity()
 
 
+def test_erratum_rewrite_sticks_across_later_turns(engine):
+    """Auto-detected change -> erratum; the next turn (same new value, one more turn) extends the
+    rewritten prompt, so its prefix hit covers the old prompt, the erratum and turn two."""
+    def chat(value, turns):
+        msgs = _edit_pair(value)
+        for t in range(turns):
+            msgs += [{"role": "assistant", "content": "escalate"}, {"role": "user", "content": f"and now {t} ?"}]
+        return engine.generate(msgs, max_new_tokens=1, tenant="sticky", edit_policy="erratum")
+
+    chat("pending", 0)
+    second = chat("shipped", 1)
+    assert second.edit.detected and second.edit.erratum
+    third = chat("shipped", 2)
+    assert third.edit is not None and not third.edit.detected
+    assert third.usage.prompt_tokens == second.usage.prompt_tokens + len(engine.adapter.tokenizer(
+        "<|im_start|>assistant\nescalate<|im_end|>\n<|im_start|>user\nand now 1 ?<|im_end|>\n")["input_ids"])
+    assert third.usage.cached_tokens >= (second.usage.prompt_tokens // BLOCK_TOKENS) * BLOCK_TOKENS
+    full = engine.generate(_edit_pair("pending") + [{"role": "assistant", "content": "escalate"}], max_new_tokens=1,
+                           reuse=False)
+    assert full.usage.prompt_tokens < third.usage.prompt_tokens
+
+
 def test_selective_with_every_token_equals_recompute_and_zero_equals_in_place(engine):
     def run(policy, tenant):
         engine.generate(_edit_pair("pending"), max_new_tokens=1, tenant=tenant)

@@ -12,7 +12,7 @@ from mmkv.adapters import load_adapter
 from mmkv.errors import RopeNotComposableError
 from mmkv.rerotate import reposition_keys, target_positions
 from mmkv.splice import precompile_image
-from mmkv.tiny import FAMILIES, build_tokenizer, save_tiny_checkpoint
+from mmkv.tiny import FAMILIES, save_tiny_checkpoint
 
 from conftest import make_png
 
