@@ -22,6 +22,8 @@ def eval_command(
     dtype: Annotated[str | None, typer.Option(help="float32, bfloat16, float16.")] = None,
     threads: Annotated[int, typer.Option(help="CPU threads for torch; 0 = torch's default. Tiny models on a "
                                               "shared CPU run fastest on 1.")] = 0,
+    anchor: Annotated[str, typer.Option(help="Precompile chunks after the chat template's default header "
+                                             "(system) or alone (none): run both to choose for your model.")] = "system",
 ) -> None:
     """How often does the fast path answer exactly like a full recompute? Agreement per arm."""
     from mmkv.engine import Engine
@@ -34,7 +36,7 @@ def eval_command(
         torch.set_num_threads(threads)
     names = [a.strip() for group in (arms or []) for a in group.split(",") if a.strip()]
     try:
-        engine = Engine.from_pretrained(model_dir, dtype=dtype, device=device)
+        engine = Engine.from_pretrained(model_dir, dtype=dtype, device=device, anchor=anchor)
         report = run_eval(model_dir, set_dir, names or None, limit or None, seed, out, max_new_tokens, engine=engine)
     except (MMKVError, ValueError, FileNotFoundError) as exc:
         typer.echo(f"mmkv eval: {getattr(exc, 'message', None) or exc}", err=True)
