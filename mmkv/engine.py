@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +54,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_MODEL = REPO_ROOT / "samples" / "models" / "qwen2_5_vl-tiny"
 ANCHORS = ("system", "none")
 RECENT_PROMPTS = 16  # per tenant and settings, for edit detection
+RECENT_KEYS = 256  # (tenant, settings) pairs whose recent prompts are kept
 
 
 @dataclass(frozen=True)
@@ -130,8 +131,9 @@ class Fidelity:
 class EditReport:
     """What an edit policy did with a detected field change."""
 
-    policy: str
+    policy: str  # asked for
     detected: bool
+    applied: str = "recompute"  # what ran: the policy, or recompute when it had nothing to act on
     field: str = ""
     old_value: str = ""
     new_value: str = ""
@@ -211,7 +213,7 @@ class Engine:
         self.prefix = PrefixCache(self.cache)
         self._images: dict[tuple[str, str], _Registered] = {}
         self._skills: dict[tuple[str, str], _Skill] = {}
-        self._recent: dict[tuple[str, str], deque[RecentPrompt]] = {}
+        self._recent: OrderedDict[tuple[str, str], deque[RecentPrompt]] = OrderedDict()
         self._lock = threading.RLock()
         self._counters = _Counters()
         self.fingerprint = xxhash.xxh3_128(adapter.fingerprint_source().encode()).hexdigest()
@@ -523,24 +525,30 @@ class Engine:
         """Edit detection, then the edit policy, then prefix cache + splice. Returns the prefill,
         the plan actually prefilled (the erratum policy rewrites the prompt) and the edit report."""
         salt = self._salt(tenant, seam, policy)
-        recent = self._recent.setdefault((tenant, salt), deque(maxlen=RECENT_PROMPTS))
+        recent = self._recent.pop((tenant, salt), None) or deque(maxlen=RECENT_PROMPTS)
+        self._recent[(tenant, salt)] = recent  # most recently used last; the oldest conversations go
+        while len(self._recent) > RECENT_KEYS:
+            self._recent.popitem(last=False)
         client_ids, client_keys = plan.input_ids.tolist(), plan.chunk_keys
         change = find_change(client_ids, client_keys, list(recent), self.settings.edit_max_tokens)
         report = None
         if change is not None:
             field_name, old, new = describe_change(self.adapter.tokenizer, client_ids, change)
-            report = EditReport(str(edit), True, field_name, old, new, change.new_len)
+            report = EditReport(str(edit), True, field=field_name, old_value=old, new_value=new,
+                                changed_tokens=change.new_len)
         elif edit.name != "recompute":
             report = EditReport(str(edit), False)
         if edit.name == "erratum":
             plan, line = self._erratum_plan(plan, change, report, policy, recent)
             report.erratum = line
+            report.applied = "erratum" if line or plan.input_ids.tolist() != client_ids else "recompute"
             if plan.input_ids.numel() + max_new_tokens > self.max_context:
                 raise PromptTooLongError("the prompt with its erratum exceeds the context", param="messages")
         elif change is not None and edit.name in ("in_place", "selective"):
             result = prefill_edited(self.adapter, self.cache, plan, change, seam, edit.k,
                                     self.settings.selective_layer, rotate=policy != "none")
             if result is not None:
+                report.applied = str(edit)
                 report.recomputed_tokens, report.reused_tokens = result.computed_tokens, result.reused_tokens
                 return result, plan, report
         keys = block_keys(plan.input_ids, plan.chunk_keys, salt) if self.settings.prefix_cache else []

@@ -199,7 +199,7 @@ def test_edit_policies_recompute_what_they_say(engine, policy):
     first = engine.generate(_edit_pair("pending"), max_new_tokens=1, tenant=tenant)
     r = engine.generate(_edit_pair("shipped"), max_new_tokens=1, tenant=tenant, edit_policy=policy)
     e = r.edit
-    assert e.detected and e.policy == policy and e.field == "order_status"
+    assert e.detected and e.policy == e.applied == policy and e.field == "order_status"
     assert (e.old_value, e.new_value) == ("pending", "shipped")
     l1, l2 = first.usage.prompt_tokens, r.usage.prompt_tokens
     assert e.recomputed_tokens == r.lm_tokens_computed and e.reused_tokens == r.usage.cached_tokens
@@ -234,7 +234,7 @@ def test_erratum_rewrite_sticks_across_later_turns(engine):
 
     chat("pending", 0)
     second = chat("shipped", 1)
-    assert second.edit.detected and second.edit.erratum
+    assert second.edit.detected and second.edit.erratum and second.edit.applied == "erratum"
     third = chat("shipped", 2)
     assert third.edit is not None and not third.edit.detected
     assert third.usage.prompt_tokens == second.usage.prompt_tokens + len(engine.adapter.tokenizer(
