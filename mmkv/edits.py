@@ -57,6 +57,9 @@ class RecentPrompt:
     block_keys: list[str]
     spans: list  # (start, CachedChunk) of its chunks, in token_ids
 
+    def __post_init__(self):
+        self.client_pairs = list(zip(self.client_ids, self.client_keys))  # what edit detection compares
+
     @property
     def rewritten(self) -> bool:
         return self.client_ids != self.token_ids
@@ -90,7 +93,7 @@ def extended_prompt(ids: list[int], keys: list[str | None], recent: list[RecentP
     pairs = list(zip(ids, keys))
     for prompt in reversed(recent):
         n = len(prompt.client_ids)
-        if prompt.rewritten and n <= len(ids) and pairs[:n] == list(zip(prompt.client_ids, prompt.client_keys)):
+        if prompt.rewritten and n <= len(ids) and pairs[:n] == prompt.client_pairs:
             return prompt
     return None
 
@@ -101,10 +104,10 @@ def find_change(ids: list[int], keys: list[str | None], recent: list[RecentPromp
     recent prompt into a prefix of `ids`; None if there is none, or if `ids` simply continues a
     recent prompt (a later turn of a conversation whose change was already handled)."""
     pairs = list(zip(ids, keys))
-    if any(pairs[:len(p.client_ids)] == list(zip(p.client_ids, p.client_keys)) for p in recent):
+    if any(pairs[:len(p.client_pairs)] == p.client_pairs for p in recent):
         return None
     for prompt in reversed(recent):
-        old = list(zip(prompt.client_ids, prompt.client_keys))
+        old = prompt.client_pairs
         start = _common_prefix(pairs, old)
         if start >= len(old):
             continue  # a plain extension: the prefix cache covers it
@@ -114,7 +117,10 @@ def find_change(ids: list[int], keys: list[str | None], recent: list[RecentPromp
             if rest <= 0:
                 break
             for x in range(max_tokens + 1):
-                if (x or y) and pairs[start + x:start + x + rest] == old[start + y:]:
+                end = start + x + rest
+                if not (x or y) or end > len(pairs) or pairs[start + x] != old[start + y] or pairs[end - 1] != old[-1]:
+                    continue  # cheap checks first: this runs on every request
+                if pairs[start + x:end] == old[start + y:]:
                     if any(k for _, k in pairs[start:start + x]) or any(k for _, k in old[start:start + y]):
                         continue  # a changed chunk (image, skill) is not a field edit
                     if best is None or x + y < best[0] + best[1]:
