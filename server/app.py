@@ -299,7 +299,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
             max_new_tokens=body.max_completion_tokens or body.max_tokens or settings.default_max_tokens,
             temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop_list(),
             reuse=body.mmkv.reuse, seam_tokens=body.mmkv.seam_tokens, rope_policy=body.mmkv.rope_policy,
-            edit_policy=body.mmkv.edit_policy, tenant=tenant,
+            edit_policy=body.mmkv.edit_policy, fidelity=body.mmkv.fidelity, tenant=tenant,
         )
 
     def report(request: Request, job: Job, result) -> tuple[MMKVReport, Usage]:
@@ -319,7 +319,8 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
                                  prefix_tokens_reused=result.prefix_tokens_reused,
                                  skill_tokens_reused=result.skill_tokens_reused,
                                  lm_tokens_computed=result.lm_tokens_computed,
-                                 edit=dataclasses.asdict(result.edit) if result.edit else None)
+                                 edit=dataclasses.asdict(result.edit) if result.edit else None,
+                                 fidelity=dataclasses.asdict(result.fidelity) if result.fidelity else None)
         log.info("chat completion", extra={
             "ttft_ms": mmkv_report.ttft_ms, "queue_ms": round((job.started_at - arrived) * 1000, 3),
             "prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,

@@ -99,6 +99,8 @@ class MMKVOptions(BaseModel):
     rope_policy: str | None = Field(None, description="How cached keys are moved to new positions.")
     edit_policy: str | None = Field(None, description="What to do when the prompt equals a recent one but for a "
                                     "changed field: recompute, erratum, in_place or selective@K.")
+    fidelity: bool = Field(False, description="Also run the full recompute and report how far the fast path's "
+                           "first next-token logits are from it (costs a full prefill).")
 
 
 class ChatCompletionRequest(BaseModel):
@@ -149,6 +151,8 @@ class MMKVReport(BaseModel):
     lm_tokens_computed: int = Field(0, description="Prompt tokens the language model computed.")
     edit: dict[str, Any] | None = Field(None, description="The edit policy's report when a changed field was "
                                         "detected or an edit policy was asked for.")
+    fidelity: dict[str, Any] | None = Field(None, description="With mmkv.fidelity: logit_cosine, max_abs_diff and "
+                                            "same_argmax of the first next-token logits against full recompute.")
 
 
 class SkillCreate(BaseModel):

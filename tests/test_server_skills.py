@@ -46,12 +46,15 @@ def test_skill_lifecycle_and_chat(live, reference):
                 {"role": "user", "content": [{"type": "state_update", "field": "order_status", "value": "shipped"},
                                              {"type": "text", "text": "refund ?"}]}]
     client = live.client("k1")
-    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                           extra_body={"mmkv": {"fidelity": True}})
     report = reply.model_extra["mmkv"]
+    assert 0.9 < report["fidelity"]["logit_cosine"] <= 1.0 + 1e-6 and report["fidelity"]["max_abs_diff"] > 0
     assert report["skill_tokens_reused"] == skill["tokens"] - 1  # seam 1
     sid = reference.add_skill("refunds", POLICY)
     assert sid == skill["id"]
-    want = reference.generate(messages, max_new_tokens=4)
+    want = reference.generate(messages, max_new_tokens=4, fidelity=True)
+    assert report["fidelity"]["logit_cosine"] == pytest.approx(want.fidelity.logit_cosine, abs=1e-6)
     assert reply.choices[0].message.content == want.text
     assert reply.usage.prompt_tokens == want.usage.prompt_tokens
     assert reply.usage.prompt_tokens_details.cached_tokens == want.usage.cached_tokens
