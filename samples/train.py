@@ -156,7 +156,7 @@ def quick_eval(model, processor, items) -> dict[str, float]:
     tok = processor.tokenizer
     hits: dict[str, list[int]] = {}
     for img, q, a, t in items:
-        enc = prompt_inputs(processor, img, q)
+        enc = prompt_inputs(processor, img, q).to(model.device)
         logits = model(**enc).logits[0, -1]
         want = tok.encode(a, add_special_tokens=False)[0]
         hits.setdefault(t, []).append(int(int(logits.argmax()) == want))
@@ -184,7 +184,7 @@ def save(model, processor, out: Path, state: dict) -> None:
     model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
     model.generation_config.pad_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
     model.generation_config.do_sample = False
-    model.save_pretrained(out)
+    model.save_pretrained(out)  # (safetensors from any device)
     processor.save_pretrained(out)
     (out / "train_state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
 
@@ -207,6 +207,7 @@ def main(argv=None) -> None:
     ap.add_argument("--save-every-min", type=float, default=8.0)
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="e.g. cuda, where a GPU is lent (data stay on the CPU)")
     ap.add_argument("--resume", action="store_true", help="start from the weights in --out")
     args = ap.parse_args(argv)
     if args.minutes is None and args.steps is None:
@@ -226,6 +227,7 @@ def main(argv=None) -> None:
     else:
         config = tiny.tiny_config(args.family, tokenizer, **model_overrides(args.family))
         model = AutoModelForImageTextToText.from_config(config)
+    model.to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{args.family}: {n_params / 1e6:.2f}M params, vocab {len(tokenizer)}", flush=True)
 
@@ -252,7 +254,7 @@ def main(argv=None) -> None:
     def state(final: bool) -> dict:
         return {"family": args.family, "seed": args.seed, "steps": step, "batch": args.batch, "lr": args.lr,
                 "minutes_budget": args.minutes, "steps_budget": args.steps, "elapsed_s": round(time.time() - t0, 1),
-                "threads": args.threads, "params": n_params, "final": final, "loss_ema": ema,
+                "threads": args.threads, "device": args.device, "params": n_params, "final": final, "loss_ema": ema,
                 "max_pixels": grid["max_pixels"], "min_pixels": grid["min_pixels"],
                 "command": "python samples/train.py " + " ".join(sys.argv[1:] if argv is None else argv),
                 "history": history[-50:]}
@@ -266,7 +268,7 @@ def main(argv=None) -> None:
             g["lr"] = lr
         rng = random.Random(f"train-{args.seed}-{step}")
         batch = batcher.batch(rng, args.batch, level)
-        loss = model(**batch).loss
+        loss = model(**batch.to(args.device)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
