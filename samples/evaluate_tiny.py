@@ -172,15 +172,17 @@ def write_expectations(dirs: list[Path], results: list[dict], items: list[VQAIte
     for d, r in zip(dirs, results):
         model, processor = load(d)
         # per type the first two items whose first-token margin is clear (no near-ties that could
-        # flip on another CPU), else the first two
+        # flip on another CPU)
         fixed = []
         for t in TYPES:
             group = [it for it in items if it.type == t]
             clear = [it for it in group if r["predictions"][it.id]["margin"] >= 0.2]
-            fixed += (clear if len(clear) >= 2 else group)[:2]
+            fixed += clear[:2]
         photo_answers = {it.id: answer(model, processor, it.load_image(), it.question) for it in extra_all}
-        clear = [it for it in extra_all if photo_answers[it.id][1] >= 0.2]
-        extra = (clear if len(clear) >= 20 - len(fixed) else extra_all)[: 20 - len(fixed)]
+        extra = [it for it in extra_all if photo_answers[it.id][1] >= 0.2][: 20 - len(fixed)]
+        # fill up to 20 with further clear-margin synthetic items (photos are near-ties for tiny models)
+        more = [it for it in items if it not in fixed and r["predictions"][it.id]["margin"] >= 0.2]
+        fixed += more[: 20 - len(fixed) - len(extra)]
         entry = {}
         for it in fixed:
             entry[it.id] = {"question": it.question, "image": str(Path(it.image).relative_to(ROOT)),
