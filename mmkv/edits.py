@@ -17,7 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mmkv.adapters import ImageFeatures
 from mmkv.errors import InvalidRequestError
+from mmkv.rerotate import reposition_keys
+from mmkv.splice import pad_features, prefill_spliced
 
 POLICY_NAMES = ("recompute", "erratum", "in_place", "selective")
 
@@ -179,9 +182,6 @@ def _gather(blocks, start: int, stop: int) -> tuple[list[torch.Tensor], list[tor
 
 def _features_in(plan, start: int, stop: int):
     """Visual features of the image pads among prompt tokens [start, stop)."""
-    from mmkv.adapters import ImageFeatures
-    from mmkv.splice import pad_features
-
     parts = []
     for p in plan.placements:
         a, b = max(start, p.start), min(stop, p.end)
@@ -195,9 +195,6 @@ def prefill_edited(adapter, store, plan, change: FieldChange, seam: int, k: int,
     recomputed, the old KV after the change reused (re-rotated by the length difference) with the
     k tokens whose KV at `layer` moved most recomputed, then the rest of the prompt prefilled.
     None when the old prompt's KV is no longer cached far enough (the caller recomputes)."""
-    from mmkv.rerotate import reposition_keys
-    from mmkv.splice import prefill_spliced
-
     old = change.prompt
     if old.rewritten:
         return None
@@ -264,8 +261,6 @@ def _recompute_scattered(adapter, cache, plan, base: int, keep: list[int], chose
     mask[:, past:] = torch.where(q_index[None, :] <= q_index[:, None], 0.0, float("-inf"))
     ids = plan.input_ids[q_index]
     pos = plan.positions[:, q_index]
-    from mmkv.adapters import ImageFeatures
-
     feats = ImageFeatures.concat([f for f in (_features_in(plan, int(i), int(i) + 1) for i in q_index)
                                   if f is not None])
     adapter.forward(ids, pos, cache, feats, attention_mask=mask[None, None].to(adapter.dtype))

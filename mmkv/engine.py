@@ -319,15 +319,20 @@ class Engine:
         self._counters.vision_tower_runs += 1
         return self.adapter.encode_image(reg.pixel_values, reg.grid_thw)
 
-    def _image_chunk(self, reg: _Registered, tenant: str) -> CachedChunk:
-        """The image's cached KV, precompiled (vision tower + isolated LM prefill) on a miss."""
-        key = self._image_key(reg, tenant)
-        entry = self.cache.get(key, "image")
+    def _cached_chunk(self, key: str, kind: str, precompile: Callable[[], CachedChunk]) -> CachedChunk:
+        """The chunk under `key`; on a miss `precompile()` builds it (counted) and it is stored."""
+        entry = self.cache.get(key, kind)
         if entry is None:
-            entry = precompile_image(self.adapter, self._encode(reg), reg.grid_thw, key, self.anchor_ids)
+            entry = precompile()
             self._counters.prefill_tokens += self.anchor_ids.numel() + entry.num_tokens
             self.cache.put(entry)
         return entry
+
+    def _image_chunk(self, reg: _Registered, tenant: str) -> CachedChunk:
+        """The image's cached KV, precompiled (vision tower + isolated LM prefill) on a miss."""
+        key = self._image_key(reg, tenant)
+        return self._cached_chunk(key, "image", lambda: precompile_image(
+            self.adapter, self._encode(reg), reg.grid_thw, key, self.anchor_ids))
 
     # ---- skills ----------------------------------------------------------------------------------
     def add_skill(self, name: str, text: str, tenant: str = "") -> str:
@@ -375,12 +380,8 @@ class Engine:
 
     def _skill_chunk(self, skill: _Skill, tenant: str) -> CachedChunk:
         key = self._skill_key(skill, tenant)
-        entry = self.cache.get(key, "skill")
-        if entry is None:
-            entry = precompile_chunk(self.adapter, "skill", skill.token_ids, key, self.anchor_ids)
-            self._counters.prefill_tokens += self.anchor_ids.numel() + entry.num_tokens
-            self.cache.put(entry)
-        return entry
+        return self._cached_chunk(key, "skill", lambda: precompile_chunk(
+            self.adapter, "skill", skill.token_ids, key, self.anchor_ids))
 
     # ---- prompts ---------------------------------------------------------------------------------
     def _resolve(self, refs: list[ImageRef | SkillRef], tenant: str) -> list[_Registered | _Skill]:
