@@ -164,14 +164,16 @@ def build_processor(family: str, tokenizer, min_pixels: int = 56 * 56, max_pixel
 
 
 def save_tiny_checkpoint(family: str, out_dir: str | Path, *, seed: int = 0, corpus: Iterable[str] = DEFAULT_CORPUS,
-                         min_pixels: int = 56 * 56, max_pixels: int = 224 * 224, model=None, **config_overrides) -> Path:
+                         min_pixels: int = 56 * 56, max_pixels: int = 224 * 224, model=None, tokenizer=None,
+                         **config_overrides) -> Path:
     """Write a loadable checkpoint dir (config, safetensors, tokenizer, processor). Returns the dir.
 
     With `model` given (e.g. after training) its weights are saved; otherwise a seeded random model.
+    `tokenizer` (e.g. the one a model was trained with) replaces the one built from `corpus`.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(corpus)
+    tokenizer = build_tokenizer(corpus) if tokenizer is None else tokenizer
     if model is None:
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(tiny_config(family, tokenizer, **config_overrides))

@@ -42,10 +42,18 @@ GRID = {
 }
 SYSTEM_PROMPTS = (
     "You are a helpful assistant.",
-    "You are a helpful assistant.",
     "You are a helpful assistant. Answer with one word.",
     "you look at images and answer each question with one word .",
 )
+#: Chance of the default system prompt (the one inference uses); the others move the image.
+P_DEFAULT_SYSTEM = 0.7
+#: Sampling weight per question type: the types that need binding or position get more steps.
+TYPE_WEIGHTS = {"color": 0.5, "shape": 1.0, "count": 1.0, "color_of_shape": 1.0, "shape_of_color": 1.0,
+                "left_of": 2.5, "gate_plain": 1.0, "gate_logo": 1.0, "gate_scene": 1.0}
+#: The only questions of the warm-up phase (``--warm-until``).
+WARM_TYPES = ("color", "shape", "count")
+#: Turns per conversation (one count per batch): mostly single questions, some long histories.
+TURN_WEIGHTS = {1: 0.55, 2: 0.2, 3: 0.15, 4: 0.1}
 IGNORE = -100
 
 
@@ -83,14 +91,48 @@ def model_overrides(family: str) -> dict:
 # ----------------------------------------------------------------------------- data
 
 
+#: Symmetry breaking for the answers that depend on two things at once. A gate's answer is
+#: "is the light the asked colour": with balanced data it is independent of the light's colour
+#: alone and of the asked colour alone (an XOR), so there is no gradient towards reading either
+#: one until both are read, and the model sits at chance. Early in training the gate and left_of
+#: items are resampled so that each key colour skews the answer (P(positive | colour) below);
+#: each half of the circuit then pays off on its own. The skew is annealed to zero (balanced data).
+SKEW = {"red": 0.85, "green": 0.15, "blue": 0.7, "yellow": 0.3}
+
+
+def accept_probability(qtype: str, scene, question: str, answer: str, bias: float) -> float:
+    """Rejection-sampling weight that makes P(positive answer | key colour) = 0.5 + bias * (SKEW - 0.5)."""
+    if qtype.startswith("gate"):
+        light = next(o.color for o in scene.objects if o.role == "light")
+        asked = next(c for c in D.COLORS if f" is {c} ." in question)
+        keys, positive = (light, asked), answer == "refund"
+    elif qtype == "left_of":
+        keys, positive = (question.split()[2],), answer == "yes"
+    else:
+        return 1.0
+    w = 1.0
+    for k in keys:
+        pk = 0.5 + bias * (SKEW[k] - 0.5)
+        w *= (pk if positive else 1 - pk) / max(SKEW.values())
+    return w
+
+
 def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int,
-                 types: tuple[str, ...] = D.TYPES, color_jitter: int = 12):
-    """(messages, images, answers): system turn, ``n_turns - 1`` earlier Q/A turns, the final question."""
-    msgs: list[dict] = [{"role": "system", "content": [{"type": "text", "text": rng.choice(SYSTEM_PROMPTS)}]}]
+                 types: dict[str, float] | None = None, color_jitter: int = 12, bias: float = 0.0):
+    """(messages, images, answers): system turn, ``n_turns - 1`` earlier Q/A turns, the final question.
+
+    ``types`` maps question types to sampling weights (default :data:`TYPE_WEIGHTS`); ``bias``
+    in [0, 1] is the strength of the early answer skew (:data:`SKEW`)."""
+    types = TYPE_WEIGHTS if types is None else types
+    system = SYSTEM_PROMPTS[0] if rng.random() < P_DEFAULT_SYSTEM else rng.choice(SYSTEM_PROMPTS[1:])
+    msgs: list[dict] = [{"role": "system", "content": [{"type": "text", "text": system}]}]
     images, answers = [], []
     for _ in range(n_turns):
-        qtype = rng.choice(types)
-        scene, q, a = D.make_item(rng, qtype, level=level, easy_size=easy_size)
+        qtype = rng.choices(list(types), weights=list(types.values()))[0]
+        while True:
+            scene, q, a = D.make_item(rng, qtype, level=level, easy_size=easy_size)
+            if bias <= 0 or rng.random() < accept_probability(qtype, scene, q, a, bias):
+                break
         images.append(D.render(scene, rng, color_jitter=color_jitter))
         answers.append(a)
         msgs.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]})
@@ -127,11 +169,13 @@ class Batcher:
                 labels[b, s:e + 1] = ids[b, s:e + 1]  # answer tokens and the closing <|im_end|>
         return labels
 
-    def batch(self, rng: random.Random, size: int, level: float, max_turns: int = 4):
+    def batch(self, rng: random.Random, size: int, level: float, max_turns: int = 4, bias: float = 0.0,
+              types: dict[str, float] | None = None):
         texts, images = [], []
-        n_turns = rng.randint(1, max_turns)  # one turn count per batch: little padding
+        turns = [n for n in TURN_WEIGHTS if n <= max_turns]
+        n_turns = rng.choices(turns, weights=[TURN_WEIGHTS[n] for n in turns])[0]  # one count per batch: little padding
         for _ in range(size):
-            msgs, imgs, _ = conversation(rng, level, self.easy_size, n_turns)
+            msgs, imgs, _ = conversation(rng, level, self.easy_size, n_turns, types=types, bias=bias)
             texts.append(self.proc.apply_chat_template(msgs, tokenize=False))
             images.extend(imgs)
         enc = self.proc(text=texts, images=images, return_tensors="pt", padding=True)
@@ -200,10 +244,18 @@ def main(argv=None) -> None:
     ap.add_argument("--minutes", type=float, default=None, help="wall-clock budget")
     ap.add_argument("--steps", type=int, default=None, help="step budget (the schedule's length)")
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--max-level", type=float, default=0.85, help="final share of varied scenes")
     ap.add_argument("--ramp", type=float, default=0.5, help="share of the run over which varied scenes phase in")
+    ap.add_argument("--skew-until", type=float, default=0.45,
+                    help="share of the run at which the answer skew (SKEW) reaches zero; it is full until 0.3 before")
+    ap.add_argument("--warm-until", type=float, default=0.1,
+                    help="share of the run that asks only the perception questions (WARM_TYPES): the vision "
+                         "tower learns shape there; mixed in with the binding questions from the start it does not")
+    ap.add_argument("--single-until", type=float, default=0.35,
+                    help="share of the run with one question per conversation: shape is only learned once "
+                         "each answer looks at its own image; longer histories come after")
     ap.add_argument("--save-every-min", type=float, default=8.0)
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1)
@@ -217,14 +269,16 @@ def main(argv=None) -> None:
     random.seed(args.seed)
 
     grid = GRID[args.family]
-    tokenizer = tiny.build_tokenizer(tokenizer_corpus(), vocab_size=512)
-    processor = tiny.build_processor(args.family, tokenizer, grid["min_pixels"], grid["max_pixels"])
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     out = Path(args.out)
-    if args.resume:
-        model = AutoModelForImageTextToText.from_pretrained(out)
+    if args.resume:  # the checkpoint's own tokenizer: a rebuilt one could merge differently
+        processor = AutoProcessor.from_pretrained(out, local_files_only=True)
+        tokenizer = processor.tokenizer
+        model = AutoModelForImageTextToText.from_pretrained(out, local_files_only=True)
     else:
+        tokenizer = tiny.build_tokenizer(tokenizer_corpus(), vocab_size=512)
+        processor = tiny.build_processor(args.family, tokenizer, grid["min_pixels"], grid["max_pixels"])
         config = tiny.tiny_config(args.family, tokenizer, **model_overrides(args.family))
         model = AutoModelForImageTextToText.from_config(config)
     model.to(args.device)
@@ -236,12 +290,17 @@ def main(argv=None) -> None:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
     batcher = Batcher(processor, args.family)
+    warm_types = {t: TYPE_WEIGHTS[t] for t in WARM_TYPES}
     val = heldout(12, args.seed)
     budget_s = args.minutes * 60 if args.minutes else None
     t0 = time.time()
     last_save = t0
     step, ema = 0, None
     history = []
+    earlier = []  # the runs this one continues (--resume), oldest first
+    if args.resume and (out / "train_state.json").exists():
+        prior = json.loads((out / "train_state.json").read_text())
+        earlier = prior.get("earlier_runs", []) + [{k: prior.get(k) for k in ("command", "steps", "elapsed_s", "history")}]
 
     def progress() -> float:
         p = 0.0
@@ -257,6 +316,9 @@ def main(argv=None) -> None:
                 "threads": args.threads, "device": args.device, "params": n_params, "final": final, "loss_ema": ema,
                 "max_pixels": grid["max_pixels"], "min_pixels": grid["min_pixels"],
                 "command": "python samples/train.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                "earlier_runs": earlier,
+                "total_steps": step + sum(r.get("steps") or 0 for r in earlier),
+                "total_elapsed_s": round(time.time() - t0 + sum(r.get("elapsed_s") or 0 for r in earlier), 1),
                 "history": history[-50:]}
 
     model.train()
@@ -267,7 +329,10 @@ def main(argv=None) -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         rng = random.Random(f"train-{args.seed}-{step}")
-        batch = batcher.batch(rng, args.batch, level)
+        bias = min(1.0, max(0.0, (args.skew_until - p) / 0.3)) if args.skew_until > 0 else 0.0
+        types = warm_types if p < args.warm_until else None
+        batch = batcher.batch(rng, args.batch, level, max_turns=1 if p < args.single_until else 4, bias=bias,
+                              types=types)
         loss = model(**batch.to(args.device)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -276,7 +341,7 @@ def main(argv=None) -> None:
         step += 1
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         if step % 10 == 0 or step <= 3:
-            print(f"step {step} p={p:.3f} level={level:.2f} lr={lr:.2e} loss={loss.item():.4f} ema={ema:.4f} "
+            print(f"step {step} p={p:.3f} level={level:.2f} skew={bias:.2f} warm={int(types is not None)} lr={lr:.2e} loss={loss.item():.4f} ema={ema:.4f} "
                   f"t={time.time() - t0:.0f}s", flush=True)
         if step % args.eval_every == 0:
             acc = quick_eval(model, processor, val)

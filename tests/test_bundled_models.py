@@ -18,10 +18,9 @@ FAMILIES = {"qwen2_5_vl-tiny": "qwen2_5_vl", "qwen3_vl-tiny": "qwen3_vl"}
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _dir_or_skip(name: str) -> Path:
+def _checkpoint_dir(name: str) -> Path:
     d = MODELS / name
-    if not (d / "model.safetensors").exists():
-        pytest.skip(f"bundled checkpoint {d.relative_to(ROOT)} does not exist yet (train it with samples/train.py)")
+    assert (d / "model.safetensors").exists(), f"bundled checkpoint {d.relative_to(ROOT)} is missing"
     return d
 
 
@@ -51,7 +50,7 @@ def _answer(model, processor, image_path: Path, question: str) -> str:
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_checkpoint_loads_offline(name):
-    d = _dir_or_skip(name)
+    d = _checkpoint_dir(name)
     size = sum(p.stat().st_size for p in d.iterdir() if p.is_file())
     assert size <= 20 * 1024 * 1024, f"{name} is {size / 1e6:.1f} MB"
     model, processor = _load(d)
@@ -64,13 +63,9 @@ def test_checkpoint_loads_offline(name):
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_checkpoint_answers_as_stored(name):
-    d = _dir_or_skip(name)
-    if not EXPECTATIONS.exists():
-        pytest.skip("no samples/models/expected_answers.json yet")
+    d = _checkpoint_dir(name)
     expected = json.loads(EXPECTATIONS.read_text()).get(name)
-    if not expected:
-        pytest.skip(f"no stored answers for {name}")
-    assert len(expected) == 20
+    assert expected and len(expected) == 20, f"no stored answers for {name}"
     model, processor = _load(d)
     got = {k: _answer(model, processor, ROOT / v["image"], v["question"]) for k, v in expected.items()}
     assert got == {k: v["answer"] for k, v in expected.items()}
@@ -88,3 +83,20 @@ def test_training_command_smoke(tmp_path):
     model, processor = _load(out)
     assert model.config.model_type == "qwen2_5_vl"
     assert _answer(model, processor, ROOT / "samples" / "vqa" / "images" / "color-000.png", "what color is the shape ?") is not None
+
+
+def test_save_tiny_checkpoint_keeps_a_given_tokenizer(tmp_path):
+    """A trained tokenizer passed to save_tiny_checkpoint is the one the checkpoint loads with."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from mmkv.tiny import DEFAULT_CORPUS, build_tokenizer, save_tiny_checkpoint
+
+    tok = build_tokenizer(list(DEFAULT_CORPUS) + ["<|im_start|>assistant\nzebra zebra<|im_end|>"] * 20, vocab_size=420)
+    default = build_tokenizer()
+    assert tok.get_vocab() != default.get_vocab()
+    d = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "m", tokenizer=tok)
+    processor = AutoProcessor.from_pretrained(d, local_files_only=True)
+    model = AutoModelForImageTextToText.from_pretrained(d, local_files_only=True)
+    assert processor.tokenizer.get_vocab() == tok.get_vocab()
+    assert model.config.text_config.vocab_size == len(tok)
+    assert processor.tokenizer.encode("zebra zebra") == tok.encode("zebra zebra")
