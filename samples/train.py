@@ -104,7 +104,7 @@ def accept_probability(qtype: str, scene, question: str, answer: str, bias: floa
     """Rejection-sampling weight that makes P(positive answer | key colour) = 0.5 + bias * (SKEW - 0.5)."""
     if qtype.startswith("gate"):
         light = next(o.color for o in scene.objects if o.role == "light")
-        asked = next(c for c in D.COLORS if f" is {c} ." in question)
+        asked = next(c for c in D.COLORS if question == D.Q_GATE.format(color=c))
         keys, positive = (light, asked), answer == "refund"
     elif qtype == "left_of":
         keys, positive = (question.split()[2],), answer == "yes"
@@ -329,7 +329,7 @@ def main(argv=None) -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         rng = random.Random(f"train-{args.seed}-{step}")
-        bias = min(1.0, max(0.0, (args.skew_until - p) / 0.3)) if args.skew_until > 0 else 0.0
+        bias = min(1.0, max(0.0, (args.skew_until - p) / 0.3))  # (0 throughout with --skew-until 0)
         types = warm_types if p < args.warm_until else None
         batch = batcher.batch(rng, args.batch, level, max_turns=1 if p < args.single_until else 4, bias=bias,
                               types=types)
