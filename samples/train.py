@@ -261,9 +261,20 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="e.g. cuda, where a GPU is lent (data stay on the CPU)")
     ap.add_argument("--resume", action="store_true", help="start from the weights in --out")
+    ap.add_argument("--weight", action="append", default=[], metavar="TYPE=W",
+                    help="override one question type's sampling weight (TYPE_WEIGHTS); repeatable")
     args = ap.parse_args(argv)
     if args.minutes is None and args.steps is None:
         ap.error("give --minutes and/or --steps")
+    weights = dict(TYPE_WEIGHTS)
+    for item in args.weight:
+        name, _, value = item.partition("=")
+        try:
+            weights[name] = float(value)
+        except ValueError:
+            ap.error(f"--weight wants TYPE=NUMBER, got {item!r}")
+        if name not in TYPE_WEIGHTS or weights[name] < 0:
+            ap.error(f"--weight {item!r}: the types are {', '.join(TYPE_WEIGHTS)}, weights >= 0")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -290,7 +301,7 @@ def main(argv=None) -> None:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
     batcher = Batcher(processor, args.family)
-    warm_types = {t: TYPE_WEIGHTS[t] for t in WARM_TYPES}
+    warm_types = {t: weights[t] for t in WARM_TYPES}
     val = heldout(12, args.seed)
     budget_s = args.minutes * 60 if args.minutes else None
     t0 = time.time()
@@ -313,7 +324,7 @@ def main(argv=None) -> None:
     def state(final: bool) -> dict:
         return {"family": args.family, "seed": args.seed, "steps": step, "batch": args.batch, "lr": args.lr,
                 "minutes_budget": args.minutes, "steps_budget": args.steps, "elapsed_s": round(time.time() - t0, 1),
-                "threads": args.threads, "device": args.device, "params": n_params, "final": final, "loss_ema": ema,
+                "threads": args.threads, "device": args.device, "type_weights": weights, "params": n_params, "final": final, "loss_ema": ema,
                 "max_pixels": grid["max_pixels"], "min_pixels": grid["min_pixels"],
                 "command": "python samples/train.py " + " ".join(sys.argv[1:] if argv is None else argv),
                 "earlier_runs": earlier,
@@ -330,7 +341,7 @@ def main(argv=None) -> None:
             g["lr"] = lr
         rng = random.Random(f"train-{args.seed}-{step}")
         bias = min(1.0, max(0.0, (args.skew_until - p) / 0.3))  # (0 throughout with --skew-until 0)
-        types = warm_types if p < args.warm_until else None
+        types = warm_types if p < args.warm_until else weights
         batch = batcher.batch(rng, args.batch, level, max_turns=1 if p < args.single_until else 4, bias=bias,
                               types=types)
         loss = model(**batch.to(args.device)).loss
@@ -341,7 +352,7 @@ def main(argv=None) -> None:
         step += 1
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         if step % 10 == 0 or step <= 3:
-            print(f"step {step} p={p:.3f} level={level:.2f} skew={bias:.2f} warm={int(types is not None)} lr={lr:.2e} loss={loss.item():.4f} ema={ema:.4f} "
+            print(f"step {step} p={p:.3f} level={level:.2f} skew={bias:.2f} warm={int(p < args.warm_until)} lr={lr:.2e} loss={loss.item():.4f} ema={ema:.4f} "
                   f"t={time.time() - t0:.0f}s", flush=True)
         if step % args.eval_every == 0:
             acc = quick_eval(model, processor, val)

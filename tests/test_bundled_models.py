@@ -100,3 +100,46 @@ def test_save_tiny_checkpoint_keeps_a_given_tokenizer(tmp_path):
     assert processor.tokenizer.get_vocab() == tok.get_vocab()
     assert model.config.text_config.vocab_size == len(tok)
     assert processor.tokenizer.encode("zebra zebra") == tok.encode("zebra zebra")
+
+
+def _evaluate_tiny():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("evaluate_tiny", ROOT / "samples" / "evaluate_tiny.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_shuffled_control_chance_is_expected_agreement():
+    """chance = sum_c P(truth = c) * P(answer = c): even yes/no guessing on an unbalanced set is at chance."""
+    ev = _evaluate_tiny()
+    truth = ["yes"] * 27 + ["no"] * 13  # 0.675 majority, like left_of
+    assert ev.independent_chance(truth, ["yes", "no"] * 20) == pytest.approx(0.5)
+    assert ev.independent_chance(truth, ["yes"] * 40) == pytest.approx(0.675)
+    assert ev.independent_chance(truth, ["maybe"] * 40) == 0.0
+    assert ev.independent_chance(["red", "green", "blue"], ["red", "red", "blue"]) == pytest.approx(1 / 3)
+
+
+def test_accuracy_command_reports_control_per_type(tmp_path):
+    """The command that makes samples/README.md's table runs end to end on a slice of the set."""
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, str(ROOT / "samples" / "evaluate_tiny.py"), "--model", str(_checkpoint_dir("qwen3_vl-tiny")),
+           "--limit", "2", "--shuffle-rounds", "2", "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "| color | perception | 2 |" in res.stdout
+    (r,) = json.loads(out.read_text())
+    assert r["shuffle_rounds"] == 2 and len(r["shuffled_predictions"]) == 2
+    for t, v in r["types"].items():
+        assert v["n"] == 2 and 0 <= v["shuffled"] <= 1 and 0 <= v["chance"] <= 1
+        assert v["control_ok"] == (abs(v["shuffled"] - v["chance"]) <= 0.10)
+
+
+@pytest.mark.parametrize("bad", ["colour=2", "count=many", "count=-1"])
+def test_training_command_rejects_a_bad_type_weight(tmp_path, bad):
+    cmd = [sys.executable, str(ROOT / "samples" / "train.py"), "--family", "qwen2_5_vl", "--out", str(tmp_path / "x"),
+           "--steps", "1", "--weight", bad]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 2 and "--weight" in res.stderr
+    assert not (tmp_path / "x").exists()
