@@ -230,6 +230,11 @@ def save(model, processor, out: Path, state: dict) -> None:
     model.generation_config.do_sample = False
     model.save_pretrained(out)  # (safetensors from any device)
     processor.save_pretrained(out)
+    tok_cfg = out / "tokenizer_config.json"  # a processor loaded offline (--resume) writes its load flags
+    cfg = json.loads(tok_cfg.read_text())
+    flags = [cfg.pop(k) for k in ("is_local", "local_files_only") if k in cfg]
+    if flags:
+        tok_cfg.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
     (out / "train_state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
 
 
