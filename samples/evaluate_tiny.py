@@ -97,12 +97,12 @@ def evaluate(model_dir: Path, items: list[VQAItem], shuffle_seed: int = 4321, sh
     t_full = time.time() - t0
     # shuffled control: images deranged within each type, several derangements averaged (one
     # derangement of 40 items moves the rate by +-0.08 on its own)
+    groups = {t: [it for it in items if it.type == t] for t in TYPES}
     rng = random.Random(shuffle_seed)
     rounds = []  # one {item id: answer} per derangement
     for _ in range(max(1, shuffle_rounds)):
         shuffled = {}
-        for t in TYPES:
-            group = [it for it in items if it.type == t]
+        for group in groups.values():
             perm = derangement(len(group), rng)
             for it, j in zip(group, perm):
                 shuffled[it.id] = answer(model, processor, images[group[j].id], it.question)[0]
@@ -112,8 +112,7 @@ def evaluate(model_dir: Path, items: list[VQAItem], shuffle_seed: int = 4321, sh
         return sum(r[it.id] == it.answer for r in rounds for it in group) / (len(group) * len(rounds))
 
     table = {}
-    for t in TYPES:
-        group = [it for it in items if it.type == t]
+    for t, group in groups.items():
         if not group:
             continue
         rate = shuffled_rate(group)

@@ -274,12 +274,14 @@ def main(argv=None) -> None:
     weights = dict(TYPE_WEIGHTS)
     for item in args.weight:
         name, _, value = item.partition("=")
+        if name not in TYPE_WEIGHTS:
+            ap.error(f"--weight {item!r}: the types are {', '.join(TYPE_WEIGHTS)}")
         try:
             weights[name] = float(value)
         except ValueError:
             ap.error(f"--weight wants TYPE=NUMBER, got {item!r}")
-        if name not in TYPE_WEIGHTS or weights[name] < 0:
-            ap.error(f"--weight {item!r}: the types are {', '.join(TYPE_WEIGHTS)}, weights >= 0")
+        if weights[name] < 0:
+            ap.error(f"--weight {item!r}: weights are >= 0")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)

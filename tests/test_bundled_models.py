@@ -131,8 +131,16 @@ def test_accuracy_command_reports_control_per_type(tmp_path):
     assert "| color | perception | 2 |" in res.stdout
     (r,) = json.loads(out.read_text())
     assert r["shuffle_rounds"] == 2 and len(r["shuffled_predictions"]) == 2
+    ev = _evaluate_tiny()
+    truth = {json.loads(line)["id"]: json.loads(line) for line in (ROOT / "samples" / "vqa" / "items.jsonl").open()}
     for t, v in r["types"].items():
-        assert v["n"] == 2 and 0 <= v["shuffled"] <= 1 and 0 <= v["chance"] <= 1
+        # the table's numbers follow from the answers it reports
+        ids = [k for k in r["predictions"] if truth[k]["type"] == t]
+        got = [rnd[k] for k in ids for rnd in r["shuffled_predictions"]]
+        want = [truth[k]["answer"] for k in ids for _ in r["shuffled_predictions"]]
+        assert v["n"] == len(ids) == 2
+        assert v["shuffled"] == pytest.approx(sum(a == b for a, b in zip(got, want)) / len(got))
+        assert v["chance"] == pytest.approx(ev.independent_chance(want, got))
         assert v["control_ok"] == (abs(v["shuffled"] - v["chance"]) <= 0.10)
 
 
