@@ -47,7 +47,7 @@ from mmkv.kv_store import KVStore
 from mmkv.messages import ImageRef, SkillRef, erratum_line, parse_messages
 from mmkv.prefix_cache import PrefixCache, block_keys
 from mmkv.rerotate import POLICIES, target_positions
-from mmkv.sampling import next_token
+from mmkv.sampling import Sampler, SamplingParams, TokenLogprob, TokenTexts, logprobs_of
 from mmkv.splice import Placement, PrefillResult, precompile_chunk, precompile_image, prefill_full, prefill_spliced
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +55,8 @@ BUNDLED_MODEL = REPO_ROOT / "samples" / "models" / "qwen2_5_vl-tiny"
 ANCHORS = ("system", "none")
 RECENT_PROMPTS = 16  # per tenant and settings, for edit detection
 RECENT_KEYS = 256  # (tenant, settings) pairs whose recent prompts are kept
+MAX_STOPS, MAX_STOP_CHARS = 4, 256  # as OpenAI: bounds the stop-string search per token
+PROCESSOR_ONLY = re.compile(r"<\|(vision_[a-z]+|image_pad|video_pad)\|>")  # tokens only the processor places
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,16 @@ def check_seam_tokens(value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 64:
         raise InvalidRequestError("seam_tokens must be an integer from 0 to 64", param="seam_tokens")
     return value
+
+
+def check_stops(stop) -> list[str]:
+    """None, one string or a list of at most MAX_STOPS non-empty strings of at most MAX_STOP_CHARS."""
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else None if stop is not None else []
+    if stops is None or len(stops) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS
+                                                             for s in stops):
+        raise InvalidRequestError(f"stop must be a string or a list of at most {MAX_STOPS} non-empty strings of at "
+                                  f"most {MAX_STOP_CHARS} characters", param="stop")
+    return stops
 
 
 def check_policy(value) -> str:
@@ -162,6 +174,7 @@ class GenerationResult:
     fidelity: Fidelity | None = None
     edit: EditReport | None = None
     first_logits: torch.Tensor | None = None  # [V] float32, next-token logits after the prompt
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids when asked for
 
 
 @dataclass
@@ -221,6 +234,9 @@ class Engine:
         self.grid_settings = f"{ip.size}|patch={ip.patch_size}|merge={ip.merge_size}"
         self.anchor_ids = self._anchor_ids() if self.settings.anchor == "system" else torch.empty(0, dtype=torch.long)
         self.stop_ids = self._stop_ids()
+        self.vocab_size = int(adapter.text_config.vocab_size)
+        self.banned_ids = self._processor_only_ids()
+        self.token_texts = TokenTexts(adapter.tokenizer)
         limit = adapter.text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context or limit, limit)
 
@@ -275,6 +291,15 @@ class Engine:
         if tok.eos_token_id is not None:
             ids.add(tok.eos_token_id)
         return ids
+
+    def _processor_only_ids(self) -> list[int]:
+        """Tokens only the processor may place (image / video pads, vision start / end): sampling one
+        would put a placeholder with no features into the cache."""
+        config = self.adapter.config
+        ids = {self.adapter.image_token_id, self.adapter.vision_start_id, self.adapter.vision_end_id,
+               getattr(config, "video_token_id", None)}
+        ids.update(tid for tok, tid in self.adapter.tokenizer.get_added_vocab().items() if PROCESSOR_ONLY.fullmatch(tok))
+        return sorted(i for i in ids if isinstance(i, int))
 
     # ---- images ----------------------------------------------------------------------------------
     def add_image(self, data, tenant: str = "") -> str:
@@ -463,7 +488,10 @@ class Engine:
                  seed: int | None = None, stop: list[str] | str | None = None, reuse: bool = True,
                  seam_tokens: int | None = None, rope_policy: str | None = None, tenant: str = "",
                  on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None,
-                 fidelity: bool = False, edit_policy: str | None = None) -> GenerationResult:
+                 fidelity: bool = False, edit_policy: str | None = None, top_k: int = 0,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 logit_bias: dict[int, float] | None = None, logprobs: bool = False, top_logprobs: int = 0,
+                 on_logprobs: Callable[[list[TokenLogprob]], None] | None = None) -> GenerationResult:
         """Answer OpenAI-shaped `messages`. `reuse=False` is the reference: one full causal forward.
 
         With reuse, images and skills are spliced from their cached KV and the longest cached
@@ -471,16 +499,31 @@ class Engine:
         one except for a short changed field (see mmkv.edits). `on_text(delta)` receives text as
         it is decoded; `should_stop()` is polled between tokens. `fidelity=True` also runs the
         full recompute and reports how far the first logits are.
+
+        Sampling follows OpenAI: temperature in [0, 2] (below 1e-5 greedy), top_p in (0, 1], top_k
+        (0 = off), presence / frequency penalties in [-2, 2] over the tokens generated so far,
+        logit_bias {token id: [-100, 100]} (at most 300), an int64 `seed`, at most 4 `stop`
+        strings of at most 256 characters. Tokens only the processor places (image pads, vision
+        start / end) are never sampled. With `logprobs`, `result.logprobs` holds one entry per
+        generated token with the `top_logprobs` (0..20) most likely alternatives: log-softmax of
+        the processed distribution, i.e. the logits after penalties, logit_bias, the vision-token
+        mask and temperature (temperature 1 when greedy), before top-k / top-p truncation.
+        `on_logprobs(entries)` (only with `logprobs`) receives the entries of the tokens whose
+        text forms the next `on_text` delta just before that call, and once more at the end for
+        tokens that produced no text: each token exactly once. Bad values raise
+        InvalidRequestError with the parameter's name as `param`.
         """
         t0 = time.perf_counter()
         seam = check_seam_tokens(self.settings.seam_tokens if seam_tokens is None else seam_tokens)
         policy = check_policy(rope_policy or self.settings.rope_policy)
         edit = parse_edit_policy(edit_policy)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        stops = check_stops(stop)
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise InvalidRequestError("max_new_tokens must be a positive integer", param="max_tokens")
-        if not 0.0 <= temperature <= 2.0 or not 0.0 < top_p <= 1.0:
-            raise InvalidRequestError("temperature must be in [0, 2] and top_p in (0, 1]", param="temperature")
+        sampling = SamplingParams.build(
+            self.vocab_size, temperature=temperature, top_p=top_p, top_k=top_k, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed, logprobs=logprobs,
+            top_logprobs=top_logprobs)
         template, refs = parse_messages(messages)
         with self._lock:
             runs_before = self._counters.vision_tower_runs
@@ -504,8 +547,8 @@ class Engine:
             self._counters.prefill_tokens += prefill.computed_tokens
             self._counters.reused_tokens += prefill.reused_tokens
             self._counters.requests += 1
-            ids, finish, ttft, text = self._decode(prefill, plan.positions, max_new_tokens, temperature, top_p, seed,
-                                                   stops, on_text, should_stop, t0)
+            ids, finish, ttft, text, lps = self._decode(prefill, plan.positions, max_new_tokens, sampling, stops,
+                                                        on_text, on_logprobs, should_stop, t0)
             reused_kinds = self._reused_by_kind(plan, prefill)
             return GenerationResult(
                 text=text, token_ids=ids, finish_reason=finish,
@@ -515,7 +558,7 @@ class Engine:
                 vision_tower_runs=self._counters.vision_tower_runs - runs_before,
                 seam_tokens=seam, rope_policy=policy, reuse=reuse, prefix_tokens_reused=reused_kinds["prefix"],
                 skill_tokens_reused=reused_kinds["skill"], fidelity=fid, edit=report,
-                first_logits=prefill.logits[0].cpu())
+                first_logits=prefill.logits[0].cpu(), logprobs=lps)
 
     def _salt(self, tenant: str, seam: int, policy: str) -> str:
         """Root of the prefix tree: who asked, and every setting that changes spliced KV."""
@@ -615,47 +658,78 @@ class Engine:
         cos = torch.nn.functional.cosine_similarity(got, ref, dim=0).item()
         return Fidelity(cos, (got - ref).abs().max().item(), bool(got.argmax() == ref.argmax()))
 
-    def _decode(self, prefill: PrefillResult, positions, max_new_tokens, temperature, top_p, seed, stops,
-                on_text, should_stop, t0) -> tuple[list[int], str, float, str]:
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    def _decode(self, prefill: PrefillResult, positions, max_new_tokens: int, sampling: SamplingParams,
+                stops: list[str], on_text, on_logprobs, should_stop,
+                t0) -> tuple[list[int], str, float, str, list[TokenLogprob] | None]:
+        """Decode token by token. Text is detokenized incrementally (only the tokens since the last
+        complete character) and stop strings are searched only in the new text plus the longest
+        stop's overlap, so a token costs the same at the end of a long answer as at its start."""
+        sampler = Sampler(sampling, self.banned_ids, prefill.logits.device)
         tokenizer = self.adapter.tokenizer
         logits, cache = prefill.logits[0], prefill.cache
         next_pos = int(positions.max()) + 1
         ids: list[int] = []
-        emitted, finish, ttft = "", "length", None
+        lps: list[TokenLogprob] = []
+        starts: list[int] = []  # per token whose text is final: where that text starts in `text`
+        text, done, emitted, delivered = "", 0, 0, 0  # `text` is the text of ids[:done]
+        finish, ttft = "length", None
         hold = max((len(s) for s in stops), default=1) - 1
+
+        def take_text(final: bool) -> None:
+            """Move the text of ids[done:] into `text` unless it ends inside a UTF-8 sequence; cut at a stop."""
+            nonlocal text, done, finish
+            piece = tokenizer.decode(ids[done:], skip_special_tokens=True)
+            if piece.endswith("\ufffd") and not final:
+                return  # an incomplete UTF-8 sequence: wait for the next token
+            starts.extend([len(text)] * (len(ids) - done))
+            search_from = max(len(text) - hold, 0)
+            text, done = text + piece, len(ids)
+            cut = min((i for i in (text.find(s, search_from) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+
+        def emit(upto: int) -> None:
+            """Pass text[emitted:upto] to on_text, preceded by the logprobs of the tokens it comes from."""
+            nonlocal emitted, delivered
+            if upto <= emitted:
+                return
+            n = delivered
+            while n < len(starts) and starts[n] < upto:
+                n += 1
+            if on_logprobs and sampling.logprobs and n > delivered:
+                on_logprobs(lps[delivered:n])
+            delivered = n
+            if on_text:
+                on_text(text[emitted:upto])
+            emitted = upto
+
         for step in range(max_new_tokens):
-            token = next_token(logits, temperature, top_p, generator)
+            token, processed = sampler.step(logits)
             if ttft is None:
                 ttft = time.perf_counter() - t0
             if token in self.stop_ids:
                 finish = "stop"
                 break
             ids.append(token)
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            cut = min((text.find(s) for s in stops if s in text), default=-1)
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
-            ready = text if finish == "stop" else text[: max(len(text) - hold, len(emitted))]
-            if ready.endswith("\ufffd") and finish != "stop":
-                ready = emitted  # an incomplete UTF-8 sequence: wait for the next token
-            if on_text and len(ready) > len(emitted):
-                on_text(ready[len(emitted):])
-            emitted = ready if len(ready) > len(emitted) else emitted
+            if sampling.logprobs:
+                lps.append(logprobs_of(processed, token, sampling.top_logprobs, self.token_texts))
+            take_text(final=False)
             if finish == "stop":
                 break
+            emit(len(text) - hold)
             if should_stop is not None and should_stop():
                 finish = "cancelled"
                 break
             if step + 1 < max_new_tokens:
                 pos = torch.full((3, 1), next_pos + step, dtype=torch.long)
                 logits = self.adapter.forward(torch.tensor([token]), pos, cache)[0]
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        cut = min((text.find(s) for s in stops if s in text), default=-1)
-        text = text[:cut] if cut >= 0 else text
-        if on_text and len(text) > len(emitted):
-            on_text(text[len(emitted):])
-        return ids, finish, ttft if ttft is not None else time.perf_counter() - t0, text
+        if done < len(ids):
+            take_text(final=True)
+        emit(len(text))
+        if on_logprobs and sampling.logprobs and delivered < len(lps):
+            on_logprobs(lps[delivered:])
+        return (ids, finish, ttft if ttft is not None else time.perf_counter() - t0, text,
+                lps if sampling.logprobs else None)
 
     # ---- introspection -------------------------------------------------------------------------------
     def stats(self) -> dict:
