@@ -15,9 +15,11 @@ from transformers import DynamicCache
 
 from mmkv.errors import ModelLoadError, RopeNotComposableError
 
-# Rope types whose rotation by d composes with the stored angle: inv_freq is static and the
-# cos/sin carry no attention factor. Dynamic NTK and LongRoPE change inv_freq with length.
-COMPOSABLE_ROPE_TYPES = ("default", "linear", "llama3")
+# Rope types whose rotation by d composes with the stored angle: inv_freq does not depend on the
+# sequence length. YaRN qualifies: its attention factor scales cos and sin alike, so a cached key
+# is factor * R(angle) k and rotating it by d gives factor * R(angle + d) k, the key at the target.
+# Dynamic NTK and LongRoPE change inv_freq (and LongRoPE its factor) with length: refused.
+COMPOSABLE_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,11 @@ class VLAdapter:
         params = self.text_config.rope_parameters or {}
         rope_type = params.get("rope_type", "default")
         rotary = self.language_model.rotary_emb
-        if rope_type not in COMPOSABLE_ROPE_TYPES or float(rotary.attention_scaling) != 1.0:
+        if rope_type not in COMPOSABLE_ROPE_TYPES:
             raise RopeNotComposableError(
-                f"rope type {rope_type!r} (attention scaling {rotary.attention_scaling}) does not compose: "
-                f"a key rotated by a delta would differ from one computed at the target position. "
-                f"Supported: {', '.join(COMPOSABLE_ROPE_TYPES)} without attention scaling."
+                f"rope type {rope_type!r} does not compose: its frequencies change with the sequence length, "
+                f"so a key rotated by a delta would differ from one computed at the target position. "
+                f"Supported: {', '.join(COMPOSABLE_ROPE_TYPES)}."
             )
         inv_freq = rotary.inv_freq.detach().float().cpu()
         section = list(params.get("mrope_section") or rotary.mrope_section)

@@ -9,7 +9,6 @@ import logging
 import logging.config
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -64,9 +63,10 @@ def main() -> None:
 
 @app.command()
 def serve(
-    model_dir: Annotated[Path | None, typer.Argument(
+    model_dir: Annotated[str | None, typer.Argument(
         envvar="MMKV_MODEL_DIR", show_default=False,
-        help="Local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint dir. Default: the bundled sample model.")] = None,
+        help="Local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint dir, or a hub id (Qwen/Qwen2.5-VL-7B-Instruct) "
+             "already in the local Hugging Face cache. Default: the bundled sample model.")] = None,
     host: Annotated[str, typer.Option(envvar="MMKV_HOST", help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(envvar="MMKV_PORT")] = 8000,
     api_key: Annotated[list[str] | None, typer.Option(
@@ -93,8 +93,10 @@ def serve(
              "file:///srv/images/). Repeatable. Default: data: URLs only.")] = None,
     max_tokens_default: Annotated[int, typer.Option(envvar="MMKV_MAX_TOKENS_DEFAULT",
                                                     help="max_tokens when a request sets none.")] = 512,
-    device: Annotated[str | None, typer.Option(envvar="MMKV_DEVICE", help="cpu, cuda, cuda:1, ...")] = None,
-    dtype: Annotated[str | None, typer.Option(envvar="MMKV_DTYPE", help="float32, bfloat16, float16.")] = None,
+    device: Annotated[str | None, typer.Option(envvar="MMKV_DEVICE",
+                                               help="cpu, cuda or cuda:N. Default: cuda when present.")] = None,
+    dtype: Annotated[str | None, typer.Option(envvar="MMKV_DTYPE", help="float32, bfloat16 or float16. "
+                                              "Default: bfloat16 on CUDA, float32 on CPU.")] = None,
     log_json: Annotated[bool, typer.Option("--log-json", envvar="MMKV_LOG_JSON",
                                            help="Log one JSON object per line.")] = False,
     log_level: Annotated[str, typer.Option(envvar="MMKV_LOG_LEVEL")] = "info",

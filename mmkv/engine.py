@@ -42,6 +42,7 @@ from mmkv.errors import (
     UnknownImageError,
     UnknownSkillError,
 )
+from mmkv.hub import resolve_model
 from mmkv.images import DEFAULT_MAX_IMAGE_PIXELS, DecodedImage, decode_image
 from mmkv.kv_store import KVStore
 from mmkv.messages import ImageRef, SkillRef, erratum_line, parse_messages
@@ -245,15 +246,15 @@ class Engine:
                         device: str | None = None, seam_tokens: int = 1, rope_policy: str = "native",
                         cache_bytes: int = 2 << 30, min_pixels: int | None = None, max_pixels: int | None = None,
                         **settings) -> Engine:
-        """Load a local checkpoint dir (None = the bundled sample model) and wrap it."""
+        """Load a local checkpoint dir or a hub id in the local hub cache (None = the bundled sample
+        model) and wrap it. `dtype`: float32 / bfloat16 / float16; `device`: cpu / cuda / cuda:N."""
         if model_dir is None:
             if not BUNDLED_MODEL.is_dir():
                 raise ModelLoadError(f"no model directory given and the bundled model {BUNDLED_MODEL} is missing; "
                                      f"pass the path of a local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint")
             model_dir = BUNDLED_MODEL
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-        adapter = load_adapter(model_dir, dtype=dtype, device=device)
+        resolved = resolve_model(model_dir)
+        adapter = load_adapter(resolved.path, dtype=dtype, device=device)
         ip = adapter.processor.image_processor
         if min_pixels is not None or max_pixels is not None:
             size = dict(ip.size)
@@ -261,7 +262,7 @@ class Engine:
             size["longest_edge"] = max_pixels if max_pixels is not None else size["longest_edge"]
             ip.size = size
         cfg = EngineSettings(seam_tokens=seam_tokens, rope_policy=rope_policy, cache_bytes=cache_bytes, **settings)
-        return cls(adapter, cfg, model_id=Path(model_dir).name)
+        return cls(adapter, cfg, model_id=resolved.model_id)
 
     # ---- setup ---------------------------------------------------------------------------------
     def _render(self, template_messages: list[dict], add_generation_prompt: bool = True) -> str:

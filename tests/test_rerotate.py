@@ -107,7 +107,8 @@ def test_reposition_keeps_dtype_and_is_identity_at_zero(adapters):
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
-                                  {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024}])
+                                  {"rope_type": "longrope", "factor": 2.0, "original_max_position_embeddings": 1024,
+                                   "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}])
 def test_non_composable_rope_is_refused(tmp_path, rope):
     params = {"rope_theta": 10000.0, "mrope_section": [2, 3, 3], **rope}
     d = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "m", text={"rope_parameters": params})

@@ -1,0 +1,294 @@
+"""Real-shape Qwen-VL checkpoints for tests: what a user downloads, minus the depth and the width.
+
+Each family mirrors one released Instruct checkpoint: Qwen's real 151k-token byte-level BPE (the
+vendored samples/tokenizers/qwen, special tokens at their released ids), the released chat
+template and processor settings, and a config that keeps the per-layer shapes that matter to KV
+reuse (head_dim 128, mrope sections, rope_theta, GQA, Qwen2.5-VL window attention with its
+full-attention blocks, Qwen3-VL deepstack, tied or untied embeddings as released) with few layers
+and a narrow hidden size. Weights are random. Saved in bfloat16 as sharded safetensors with an
+index, inside a Hugging Face hub-cache layout (models--Qwen--X/{refs/main, snapshots/<rev>, blobs}).
+
+Deviations from the released shapes, all forced by CPU test budgets: 2-4 LM layers and 4 vision
+blocks (released 28-36 and 27-32); LM hidden 256 (the 151k-row embedding dominates memory), hence
+Qwen2/2.5-VL, whose head_dim is hidden / heads, keep 2 query heads per KV head (released 6-7),
+while Qwen3-VL, whose head_dim is set apart, keeps its released 4; vision towers keep their head
+dims (80, 72) with 2 heads.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mmkv.tiny import CHAT_TEMPLATE as QWEN2_VL_CHAT_TEMPLATE
+
+TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "samples" / "tokenizers" / "qwen"
+
+# Special-token ids of the released tokenizers (identical for Qwen2-VL, Qwen2.5-VL and Qwen3-VL).
+SPECIAL_IDS = {
+    "<|endoftext|>": 151643,
+    "<|im_start|>": 151644,
+    "<|im_end|>": 151645,
+    "<|vision_start|>": 151652,
+    "<|vision_end|>": 151653,
+    "<|vision_pad|>": 151654,
+    "<|image_pad|>": 151655,
+    "<|video_pad|>": 151656,
+}
+
+# Qwen/Qwen3-VL-8B-Instruct's chat_template.json (also its tokenizer_config.json): no default
+# system turn, tool blocks, image parts counted across messages including tool results.
+QWEN3_VL_CHAT_TEMPLATE = (
+    "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0].role == 'system' %}\n"
+    "        {%- if messages[0].content is string %}\n            {{- messages[0].content }}\n"
+    "        {%- else %}\n            {%- for content in messages[0].content %}\n"
+    "                {%- if 'text' in content %}\n                    {{- content.text }}\n"
+    "                {%- endif %}\n            {%- endfor %}\n        {%- endif %}\n"
+    "        {{- '\\n\\n' }}\n    {%- endif %}\n"
+    "    {{- \"# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}\n"
+    "    {%- for tool in tools %}\n        {{- \"\\n\" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n"
+    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n"
+    "{%- else %}\n    {%- if messages[0].role == 'system' %}\n        {{- '<|im_start|>system\\n' }}\n"
+    "        {%- if messages[0].content is string %}\n            {{- messages[0].content }}\n"
+    "        {%- else %}\n            {%- for content in messages[0].content %}\n"
+    "                {%- if 'text' in content %}\n                    {{- content.text }}\n"
+    "                {%- endif %}\n            {%- endfor %}\n        {%- endif %}\n"
+    "        {{- '<|im_end|>\\n' }}\n    {%- endif %}\n{%- endif %}\n"
+    "{%- set image_count = namespace(value=0) %}\n{%- set video_count = namespace(value=0) %}\n"
+    "{%- for message in messages %}\n    {%- if message.role == \"user\" %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' }}\n        {%- if message.content is string %}\n"
+    "            {{- message.content }}\n        {%- else %}\n            {%- for content in message.content %}\n"
+    "                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}\n"
+    "                    {%- set image_count.value = image_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|image_pad|><|vision_end|>\n"
+    "                {%- elif content.type == 'video' or 'video' in content %}\n"
+    "                    {%- set video_count.value = video_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|video_pad|><|vision_end|>\n"
+    "                {%- elif 'text' in content %}\n                    {{- content.text }}\n"
+    "                {%- endif %}\n            {%- endfor %}\n        {%- endif %}\n"
+    "        {{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"assistant\" %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' }}\n        {%- if message.content is string %}\n"
+    "            {{- message.content }}\n        {%- else %}\n"
+    "            {%- for content_item in message.content %}\n                {%- if 'text' in content_item %}\n"
+    "                    {{- content_item.text }}\n                {%- endif %}\n            {%- endfor %}\n"
+    "        {%- endif %}\n        {%- if message.tool_calls %}\n"
+    "            {%- for tool_call in message.tool_calls %}\n"
+    "                {%- if (loop.first and message.content) or (not loop.first) %}\n"
+    "                    {{- '\\n' }}\n                {%- endif %}\n                {%- if tool_call.function %}\n"
+    "                    {%- set tool_call = tool_call.function %}\n                {%- endif %}\n"
+    "                {{- '<tool_call>\\n{\"name\": \"' }}\n                {{- tool_call.name }}\n"
+    "                {{- '\", \"arguments\": ' }}\n                {%- if tool_call.arguments is string %}\n"
+    "                    {{- tool_call.arguments }}\n                {%- else %}\n"
+    "                    {{- tool_call.arguments | tojson }}\n                {%- endif %}\n"
+    "                {{- '}\\n</tool_call>' }}\n            {%- endfor %}\n        {%- endif %}\n"
+    "        {{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"tool\" %}\n"
+    "        {%- if loop.first or (messages[loop.index0 - 1].role != \"tool\") %}\n"
+    "            {{- '<|im_start|>user' }}\n        {%- endif %}\n        {{- '\\n<tool_response>\\n' }}\n"
+    "        {%- if message.content is string %}\n            {{- message.content }}\n        {%- else %}\n"
+    "            {%- for content in message.content %}\n"
+    "                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}\n"
+    "                    {%- set image_count.value = image_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|image_pad|><|vision_end|>\n"
+    "                {%- elif content.type == 'video' or 'video' in content %}\n"
+    "                    {%- set video_count.value = video_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|video_pad|><|vision_end|>\n"
+    "                {%- elif 'text' in content %}\n                    {{- content.text }}\n"
+    "                {%- endif %}\n            {%- endfor %}\n        {%- endif %}\n"
+    "        {{- '\\n</tool_response>' }}\n"
+    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
+    "            {{- '<|im_end|>\\n' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
+)
+
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+@dataclass(frozen=True)
+class ReleasedCheckpoint:
+    """One released Instruct checkpoint and the narrow, shallow config that mirrors it."""
+
+    repo_id: str
+    model_type: str
+    text: dict  # text_config
+    vision: dict  # vision_config
+    tie_word_embeddings: bool
+    chat_template: str
+    image_processor: dict  # preprocessor_config.json
+    video_processor: dict = field(default_factory=dict)
+
+    @property
+    def hub_dir_name(self) -> str:
+        return "models--" + self.repo_id.replace("/", "--")
+
+
+_SPECIAL_CONFIG = dict(bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+_QWEN2_PROCESSOR = dict(size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16384}, patch_size=14,
+                        merge_size=2, temporal_patch_size=2, image_mean=CLIP_MEAN, image_std=CLIP_STD)
+
+RELEASED: dict[str, ReleasedCheckpoint] = {
+    # Qwen2-VL-2B-Instruct: 12 heads / 2 KV, tied embeddings, vocab 151936.
+    "qwen2_vl": ReleasedCheckpoint(
+        repo_id="Qwen/Qwen2-VL-2B-Instruct", model_type="qwen2_vl",
+        text=dict(vocab_size=151936, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                  hidden_act="silu", tie_word_embeddings=True, use_sliding_window=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+                  **_SPECIAL_CONFIG),
+        vision=dict(depth=4, embed_dim=160, num_heads=2, mlp_ratio=4, hidden_size=256, hidden_act="quick_gelu",
+                    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        tie_word_embeddings=True, chat_template=QWEN2_VL_CHAT_TEMPLATE, image_processor=_QWEN2_PROCESSOR),
+    # Qwen2.5-VL-7B-Instruct: 28 heads / 4 KV, untied, vocab 152064; vision window 112 px with
+    # full attention every 8th block (released [7, 15, 23, 31]; here every 2nd of 4).
+    "qwen2_5_vl": ReleasedCheckpoint(
+        repo_id="Qwen/Qwen2.5-VL-7B-Instruct", model_type="qwen2_5_vl",
+        text=dict(vocab_size=152064, hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128000, rms_norm_eps=1e-6,
+                  hidden_act="silu", tie_word_embeddings=False, use_sliding_window=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+                  **_SPECIAL_CONFIG),
+        vision=dict(depth=4, hidden_size=160, intermediate_size=432, num_heads=2, out_hidden_size=256,
+                    hidden_act="silu", patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                    fullatt_block_indexes=[1, 3], tokens_per_second=2, in_channels=3),
+        tie_word_embeddings=False, chat_template=QWEN2_VL_CHAT_TEMPLATE, image_processor=_QWEN2_PROCESSOR),
+    # Qwen3-VL-8B-Instruct: 32 heads / 8 KV of head_dim 128, untied, vocab 151936, interleaved
+    # mrope [24, 20, 20] at theta 5e6; deepstack from 3 vision blocks (released [8, 16, 24] of 27).
+    "qwen3_vl": ReleasedCheckpoint(
+        repo_id="Qwen/Qwen3-VL-8B-Instruct", model_type="qwen3_vl",
+        text=dict(vocab_size=151936, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=1, head_dim=128, max_position_embeddings=262144,
+                  rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
+                                   "mrope_interleaved": True},
+                  **_SPECIAL_CONFIG),
+        vision=dict(depth=4, hidden_size=144, intermediate_size=544, num_heads=2, out_hidden_size=256,
+                    hidden_act="gelu_pytorch_tanh", patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                    num_position_embeddings=2304, deepstack_visual_indexes=[1, 2, 3], in_channels=3),
+        tie_word_embeddings=False, chat_template=QWEN3_VL_CHAT_TEMPLATE,
+        image_processor=dict(size={"shortest_edge": 65536, "longest_edge": 16777216}, patch_size=16, merge_size=2,
+                             temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]),
+        video_processor=dict(size={"shortest_edge": 4096, "longest_edge": 25165824}, patch_size=16, merge_size=2,
+                             temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])),
+}
+
+# Qwen2.5-VL's documented long-context setting (its model card): YaRN x4 over 32768 positions.
+QWEN2_5_VL_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                   "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}
+
+
+def load_tokenizer(chat_template: str | None = None):
+    """Qwen's released tokenizer from the vendored files (offline), with `chat_template`."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_str(gzip.decompress((TOKENIZER_DIR / "tokenizer.json.gz").read_bytes()).decode())
+    config = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=config["eos_token"], pad_token=config["pad_token"], bos_token=None,
+        unk_token=None, model_max_length=config["model_max_length"], clean_up_tokenization_spaces=False,
+        chat_template=chat_template if chat_template is not None else config["chat_template"],
+        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                              "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"},
+    )
+    for token, tid in SPECIAL_IDS.items():
+        assert tok.convert_tokens_to_ids(token) == tid, f"vendored tokenizer: {token} is not {tid}"
+    return tok
+
+
+def build_processor(family: str, tokenizer=None):
+    """The family's processor with the released checkpoint's settings and chat template (set on
+    `tokenizer` too, which may be shared between builds: loading it takes seconds)."""
+    from transformers import (
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    spec = RELEASED[family]
+    tokenizer = tokenizer or load_tokenizer()
+    tokenizer.chat_template = spec.chat_template  # the released tokenizer_config.json carries it too
+    image = Qwen2VLImageProcessor(**spec.image_processor)
+    if family == "qwen3_vl":
+        return Qwen3VLProcessor(image_processor=image, tokenizer=tokenizer, chat_template=spec.chat_template,
+                                video_processor=Qwen3VLVideoProcessor(**spec.video_processor))
+    video = Qwen2VLVideoProcessor(patch_size=14, merge_size=2, temporal_patch_size=2)
+    cls = Qwen2_5_VLProcessor if family == "qwen2_5_vl" else Qwen2VLProcessor
+    return cls(image_processor=image, tokenizer=tokenizer, video_processor=video, chat_template=spec.chat_template)
+
+
+def real_config(family: str, rope_parameters: dict | None = None, initializer_range: float = 0.02):
+    """The narrow, shallow config of the family's released checkpoint (see the module docstring)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+
+    spec = RELEASED[family]
+    text = dict(spec.text, initializer_range=initializer_range)
+    if rope_parameters is not None:
+        text["rope_parameters"] = rope_parameters
+    cls = {"qwen2_vl": Qwen2VLConfig, "qwen2_5_vl": Qwen2_5_VLConfig, "qwen3_vl": Qwen3VLConfig}[family]
+    return cls(text_config=text, vision_config=dict(spec.vision, initializer_range=initializer_range),
+               image_token_id=SPECIAL_IDS["<|image_pad|>"], video_token_id=SPECIAL_IDS["<|video_pad|>"],
+               vision_start_token_id=SPECIAL_IDS["<|vision_start|>"],
+               vision_end_token_id=SPECIAL_IDS["<|vision_end|>"], tie_word_embeddings=spec.tie_word_embeddings,
+               initializer_range=initializer_range)
+
+
+def _fake_revision(family: str, rope_parameters: dict | None, seed: int) -> str:
+    return hashlib.sha1(f"mmkv-realshape|{family}|{rope_parameters}|{seed}".encode()).hexdigest()
+
+
+def _move_into_blobs(repo_dir: Path, snapshot: Path) -> None:
+    """Hub-cache layout: each file's bytes live in blobs/<sha256>, the snapshot holds relative links."""
+    blobs = repo_dir / "blobs"
+    blobs.mkdir(exist_ok=True)
+    for path in sorted(snapshot.iterdir()):
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        blob = blobs / digest
+        if blob.exists():
+            path.unlink()
+        else:
+            path.rename(blob)
+        path.symlink_to(os.path.relpath(blob, snapshot))
+
+
+def save_real_checkpoint(family: str, hub_cache: str | Path, *, seed: int = 0, repo_id: str | None = None,
+                         rope_parameters: dict | None = None, initializer_range: float = 0.02,
+                         max_shard_size: str = "64MB", tokenizer=None) -> Path:
+    """Write a random-weight checkpoint of `family` into `hub_cache` as the hub would, under
+    `repo_id` (default: the released repo it mirrors), in bfloat16 as released. Returns the
+    snapshot directory."""
+    from transformers import AutoModelForImageTextToText
+
+    spec = RELEASED[family]
+    repo_dir = Path(hub_cache) / ("models--" + (repo_id or spec.repo_id).replace("/", "--"))
+    revision = _fake_revision(family, rope_parameters, seed)
+    snapshot = repo_dir / "snapshots" / revision
+    snapshot.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    # Initialised in float32 (twice as fast as bfloat16 on CPU), stored in bfloat16.
+    model = AutoModelForImageTextToText.from_config(real_config(family, rope_parameters, initializer_range))
+    model = model.to(torch.bfloat16)
+    model.generation_config.eos_token_id = [SPECIAL_IDS["<|im_end|>"], SPECIAL_IDS["<|endoftext|>"]]
+    model.generation_config.pad_token_id = SPECIAL_IDS["<|endoftext|>"]
+    model.generation_config.bos_token_id = SPECIAL_IDS["<|endoftext|>"]
+    model.save_pretrained(snapshot, max_shard_size=max_shard_size)
+    build_processor(family, tokenizer).save_pretrained(snapshot)
+    _move_into_blobs(repo_dir, snapshot)
+    (repo_dir / "refs").mkdir(exist_ok=True)
+    (repo_dir / "refs" / "main").write_text(revision)
+    return snapshot
