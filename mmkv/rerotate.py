@@ -3,6 +3,10 @@
 Keys are cached after RoPE and values carry no position, so a key computed at position ids P
 becomes the key at P' by rotating each frequency j by (P'[axis(j)] - P[axis(j)]) * inv_freq[j].
 The rotate-half layout pairs channel i with channel i + head_dim/2.
+
+A moved chunk changes every token's position by the same amount per axis, so its rotation is
+one cos/sin vector per frequency ([head_dim/2]), not a per-token table: `rotate_into` applies it
+straight into a slice of a preallocated cache at about copy speed.
 """
 
 from __future__ import annotations
@@ -19,6 +23,39 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def constant_delta(from_pos: torch.Tensor, to_pos: torch.Tensor) -> tuple[int, int, int] | None:
+    """The per-axis position change (dt, dh, dw) if every token of [3, L] moves by the same one."""
+    delta = to_pos - from_pos
+    first = delta[:, :1]
+    if not torch.equal(delta, first.expand_as(delta)):
+        return None
+    return tuple(int(d) for d in first[:, 0]) if delta.numel() else (0, 0, 0)
+
+
+def rotation(delta: tuple[int, int, int], rope: RopeLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [head_dim/2] (float32) of each frequency's turn for a constant per-axis change.
+    Angles in float64, as in `reposition_keys`."""
+    angles = torch.tensor(delta, dtype=torch.float64)[rope.axis_of_freq] * rope.inv_freq.to(torch.float64)
+    return angles.cos().float(), angles.sin().float()
+
+
+def rotate_into(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Write `keys` [..., L, D] turned by (cos, sin) [D/2] into `out` (same shape; typically a
+    slice of a preallocated cache). Float32 keys rotate in place of a copy (four elementwise
+    passes, no temporaries); other dtypes rotate in float32 and are cast back once."""
+    if keys.dtype != torch.float32:
+        out.copy_(rotate_into(torch.empty(keys.shape, device=keys.device), keys.float(), cos, sin))
+        return out
+    cos, sin = cos.to(keys.device), sin.to(keys.device)
+    half = keys.shape[-1] // 2
+    k1, k2, o1, o2 = keys[..., :half], keys[..., half:], out[..., :half], out[..., half:]
+    torch.mul(k1, cos, out=o1)
+    o1.addcmul_(k2, sin, value=-1.0)  # x1 cos - x2 sin
+    torch.mul(k2, cos, out=o2)
+    o2.addcmul_(k1, sin)  # x2 cos + x1 sin
+    return out
+
+
 def reposition_keys(keys: torch.Tensor, from_pos: torch.Tensor, to_pos: torch.Tensor, rope: RopeLayout) -> torch.Tensor:
     """Keys [..., L, D] computed at position ids `from_pos` [3, L], as if computed at `to_pos` [3, L].
 
@@ -28,6 +65,9 @@ def reposition_keys(keys: torch.Tensor, from_pos: torch.Tensor, to_pos: torch.Te
     delta = (to_pos - from_pos).to(torch.float64)  # [3, L]
     if not delta.any():
         return keys
+    shift = constant_delta(from_pos, to_pos)
+    if shift is not None:
+        return rotate_into(torch.empty_like(keys), keys, *rotation(shift, rope))
     axis = rope.axis_of_freq.to(delta.device)
     angles = delta[axis].T * rope.inv_freq.to(delta.device, torch.float64)  # [L, D/2]
     angles = torch.cat((angles, angles), dim=-1).to(keys.device)

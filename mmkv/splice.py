@@ -1,6 +1,13 @@
 """Build a request's KV from segments: cached chunks (images, skills), re-rotated into place,
-and freshly prefilled text; the first `seam_tokens` tokens of each chunk are recomputed with full
+and freshly computed text; the first `seam_tokens` tokens of each chunk are recomputed with full
 attention to everything before them (seam repair).
+
+One turn is one LM forward. The cache is preallocated for the whole prompt; the reused KV (a
+prefix-cache hit, each chunk's body rotated by its constant position change) is written into its
+slots first, then every token the turn computes (text between chunks, seams, the tail) runs in a
+single forward that writes its KV into its own slots. Slots are in prompt order, so that forward's
+mask is causal by prompt index: text and seam tokens see everything before them, and a chunk's
+body, never recomputed, keeps the KV it got seeing only itself and its anchor.
 """
 
 from __future__ import annotations
@@ -9,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from mmkv.adapters import ImageFeatures, VLAdapter
 from mmkv.chunks import CachedChunk
-from mmkv.rerotate import reposition_keys
+from mmkv.rerotate import constant_delta, reposition_keys, rotate_into, rotation
 
 
 @dataclass
@@ -36,6 +44,34 @@ class PrefillResult:
     reused_tokens: int  # tokens whose KV came from a cache (chunks re-rotated, prefix blocks)
     reused_ranges: list[tuple[int, int]]  # [start, end) token ranges whose KV was reused
     prefix_tokens: int = 0  # leading tokens taken from the prefix cache
+
+
+@dataclass(frozen=True)
+class SpliceLayout:
+    """Which prompt tokens a turn computes and which chunk tokens it reuses."""
+
+    computed: list[tuple[int, int]]  # [start, end) prompt ranges, in order
+    reused: list[tuple[Placement, int, int]]  # (placement, first, stop): chunk tokens [first, stop)
+
+
+class SlotLayer(DynamicLayer):
+    """A cache layer preallocated for a whole prompt. While `slots` [Q] is set, an update writes
+    the Q new tokens' KV into those slots (prompt indices) and returns the whole buffer; with
+    `slots` None (decoding) it appends like any DynamicLayer."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):  # [1, kv_heads, L, head_dim]
+        super().__init__()
+        self.keys, self.values = keys, values
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self.slots: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.slots is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self.keys.index_copy_(-2, self.slots, key_states)
+        self.values.index_copy_(-2, self.slots, value_states)
+        return self.keys, self.values
 
 
 def precompile_chunk(adapter: VLAdapter, kind: str, token_ids: torch.Tensor, key: str, anchor_ids: torch.Tensor,
@@ -69,15 +105,81 @@ def pad_features(entry: CachedChunk, start: int, stop: int) -> ImageFeatures | N
     return entry.features.slice(min(max(start - 1, 0), n), min(max(stop - 1, 0), n))
 
 
-def append_kv(cache: DynamicCache, entry: CachedChunk, target: torch.Tensor, start: int, stop: int,
-              adapter: VLAdapter, rotate: bool = True) -> None:
-    """Append the cached KV of chunk tokens [start, stop), re-rotated to `target` positions
-    (left where they were cached with `rotate=False`: the control that must be worse)."""
-    src = entry.position_ids[:, start:stop]
-    dst = target[:, start:stop] if rotate else src
-    for layer, (k, v) in enumerate(zip(entry.keys, entry.values)):
-        k = reposition_keys(k[:, start:stop], src, dst, adapter.rope)
-        cache.update(k[None].to(adapter.device), v[None, :, start:stop].to(adapter.device), layer)
+def splice_layout(placements: list[Placement], total: int, start: int, seam_tokens: int) -> SpliceLayout:
+    """Tokens [0, start) are cached already. Each chunk's first `seam_tokens` tokens are computed
+    and the rest reused; a chunk that ends the prompt keeps its last token computed, so the
+    prompt's last logits always come from the model. Everything else is computed text."""
+    cursor, computed, reused = start, [], []
+    for p in sorted(placements, key=lambda p: p.start):
+        if p.end <= cursor:
+            continue
+        if p.start > cursor:
+            computed.append((cursor, p.start))
+        n = p.entry.num_tokens
+        keep_end = n - 1 if p.end == total else n
+        seam = min(seam_tokens, keep_end)
+        first = max(cursor - p.start, 0)  # chunk tokens already in the cache
+        if first < seam:
+            computed.append((p.start + first, p.start + seam))
+        if keep_end > max(seam, first):
+            reused.append((p, max(seam, first), keep_end))
+        cursor = max(cursor, p.start + keep_end)
+    if cursor < total:
+        computed.append((cursor, total))
+    return SpliceLayout(computed, reused)
+
+
+def preallocate(adapter: VLAdapter, cache: DynamicCache, start: int, total: int) -> list[SlotLayer]:
+    """Give every layer of `cache` (holding `start` tokens) a buffer for `total` tokens, the held
+    KV copied to its front. Returns the new layers (also installed in `cache`)."""
+    held = cache.get_seq_length() if cache.layers else 0
+    if held != start:
+        raise ValueError(f"the cache holds {held} tokens but start is {start}")
+    text = adapter.text_config
+    heads = text.num_key_value_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    layers = []
+    for i in range(adapter.num_layers):
+        k = torch.empty(1, heads, total, head_dim, dtype=adapter.dtype, device=adapter.device)
+        v = torch.empty_like(k)
+        if start:
+            k[:, :, :start].copy_(cache.layers[i].keys)
+            v[:, :, :start].copy_(cache.layers[i].values)
+        layers.append(SlotLayer(k, v))
+    cache.layers[: len(layers)] = layers
+    return layers
+
+
+def place_chunk(layers: list[SlotLayer], p: Placement, first: int, stop: int, rope, rotate: bool = True) -> None:
+    """Write the cached KV of chunk tokens [first, stop) into their slots, re-rotated to the
+    placement's target positions (left where they were cached with `rotate=False`: the control
+    that must be worse). A chunk moves by one constant per axis, so the rotation is one cos/sin
+    vector, applied straight into the slots."""
+    src, dst = p.entry.position_ids[:, first:stop], p.target[:, first:stop]
+    shift = constant_delta(src, dst) if rotate else (0, 0, 0)
+    turn = rotation(shift, rope) if shift is not None and any(shift) else None
+    a, b = p.start + first, p.start + stop
+    for layer, k, v in zip(layers, p.entry.keys, p.entry.values):
+        k, v = k[:, first:stop].to(layer.device), v[:, first:stop].to(layer.device)
+        slot_k = layer.keys[0, :, a:b]
+        if turn is not None:
+            rotate_into(slot_k, k, *turn)
+        elif shift is None:  # positions that do not move together (not produced by the policies)
+            slot_k.copy_(reposition_keys(k, src, dst, rope))
+        else:
+            slot_k.copy_(k)
+        layer.values[0, :, a:b].copy_(v)
+
+
+def _features(placements: list[Placement], ranges: list[tuple[int, int]]) -> ImageFeatures | None:
+    """Visual features of the image pads among the computed prompt ranges, in token order."""
+    parts = []
+    for a, b in ranges:
+        for p in sorted(placements, key=lambda p: p.start):
+            lo, hi = max(a, p.start), min(b, p.end)
+            if lo < hi and (f := pad_features(p.entry, lo - p.start, hi - p.start)) is not None:
+                parts.append(f)
+    return ImageFeatures.concat(parts)
 
 
 def prefill_spliced(adapter: VLAdapter, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -85,37 +187,36 @@ def prefill_spliced(adapter: VLAdapter, input_ids: torch.Tensor, positions: torc
                     cache: DynamicCache | None = None, start: int = 0) -> PrefillResult:
     """Prefill `input_ids` [L] at `positions` [3, L] with every chunk taken from `placements`.
 
-    `cache` may already hold the KV of tokens [0, start) (a prefix-cache hit). The result equals
-    one forward pass over the same tokens and positions in which each chunk's tokens see only
-    their own chunk (see mmkv.oracle). A chunk that ends the prompt keeps its last token
-    computed, so the prompt's last logits always come from the model.
+    `cache` may already hold the KV of tokens [0, start) (a prefix-cache hit; any order). The
+    result equals one forward pass over the same tokens and positions in which each chunk's tokens
+    see only their own chunk (see mmkv.oracle). It runs one LM forward; `cache` is filled in place
+    (its layers become prompt-length buffers) and returned in the result.
     """
     if seam_tokens < 0:
         raise ValueError("seam_tokens must be >= 0")
-    cache = cache if cache is not None else adapter.new_cache()
     total = input_ids.numel()
-    cursor, computed, reused = start, 0, [(0, start)] if start else []
-    for p in sorted(placements, key=lambda p: p.start):
-        if p.end <= cursor:
-            continue
-        if p.start > cursor:
-            adapter.forward(input_ids[cursor:p.start], positions[:, cursor:p.start], cache)
-            computed += p.start - cursor
-        n = p.entry.num_tokens
-        keep_end = n - 1 if p.end == total else n
-        seam = min(seam_tokens, keep_end)
-        first = max(cursor - p.start, 0)  # chunk tokens already in the cache
-        if first < seam:
-            adapter.forward(p.entry.token_ids[first:seam], p.target[:, first:seam], cache,
-                            pad_features(p.entry, first, seam))
-            computed += seam - first
-        if keep_end > max(seam, first):
-            append_kv(cache, p.entry, p.target, max(seam, first), keep_end, adapter, rotate)
-            reused.append((p.start + max(seam, first), p.start + keep_end))
-        cursor = max(cursor, p.start + keep_end)
-    logits = adapter.forward(input_ids[cursor:], positions[:, cursor:], cache)
-    computed += total - cursor
-    return PrefillResult(cache, logits, computed, sum(b - a for a, b in reused), reused, start)
+    layout = splice_layout(placements, total, start, seam_tokens)
+    if not layout.computed:
+        raise ValueError("nothing left to compute: the prompt's last token must not be cached")
+    cache = cache if cache is not None else adapter.new_cache()
+    layers = preallocate(adapter, cache, start, total)
+    reused = [(0, start)] if start else []
+    for p, first, stop in layout.reused:
+        place_chunk(layers, p, first, stop, adapter.rope, rotate)
+        reused.append((p.start + first, p.start + stop))
+    index = torch.cat([torch.arange(a, b) for a, b in layout.computed])  # [Q] prompt indices, ascending
+    mask = torch.zeros(index.numel(), total, dtype=adapter.dtype)
+    mask.masked_fill_(torch.arange(total)[None, :] > index[:, None], float("-inf"))  # causal by prompt index
+    slots = index.to(adapter.device)
+    for layer in layers:
+        layer.slots = slots
+    try:
+        logits = adapter.forward(input_ids[index], positions[:, index], cache, _features(placements, layout.computed),
+                                 attention_mask=mask[None, None])
+    finally:
+        for layer in layers:
+            layer.slots = None
+    return PrefillResult(cache, logits, index.numel(), sum(b - a for a, b in reused), reused, start)
 
 
 def prefill_full(adapter: VLAdapter, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -9,7 +9,8 @@ import torch
 from mmkv import Engine
 from mmkv.adapters import ImageFeatures
 from mmkv.oracle import block_masked_logits
-from mmkv.splice import Placement, prefill_full, prefill_spliced
+from mmkv.rerotate import reposition_keys
+from mmkv.splice import Placement, pad_features, prefill_full, prefill_spliced
 from mmkv.tiny import FAMILIES
 
 from conftest import make_png
@@ -93,3 +94,69 @@ def test_no_rotation_control_is_worse(engine):
           f"vs no-rotate {gap_norot:.3e} (cos {cos(unrotated, full).item():.5f})")
     assert gap_norot > gap_rot
     assert (unrotated - rotated).abs().max().item() > 10 * TOL
+
+
+def _segmented_splice(ad, ids, pos, placements, seam_tokens, cache, start):
+    """The splice as it ran before one-forward turns, kept as a reference: text before each chunk,
+    its seam and the tail in separate forwards, chunk bodies appended (re-rotated per token)."""
+    cursor = start
+    for p in sorted(placements, key=lambda p: p.start):
+        if p.start > cursor:
+            ad.forward(ids[cursor:p.start], pos[:, cursor:p.start], cache)
+        n = p.entry.num_tokens
+        keep_end = n - 1 if p.end == ids.numel() else n
+        seam, first = min(seam_tokens, keep_end), max(cursor - p.start, 0)
+        if first < seam:
+            ad.forward(p.entry.token_ids[first:seam], p.target[:, first:seam], cache, pad_features(p.entry, first, seam))
+        lo = max(seam, first)
+        for layer, (k, v) in enumerate(zip(p.entry.keys, p.entry.values)):
+            k = reposition_keys(k[:, lo:keep_end], p.entry.position_ids[:, lo:keep_end], p.target[:, lo:keep_end],
+                                ad.rope)
+            cache.update(k[None], v[None, :, lo:keep_end], layer)
+        cursor = max(cursor, p.start + keep_end)
+    return ad.forward(ids[cursor:], pos[:, cursor:], cache), cache
+
+
+@pytest.mark.parametrize("seam", [0, 1])
+@pytest.mark.parametrize("layout", ["middle", "repeated"])
+@pytest.mark.parametrize("prefix", [False, True])
+def test_one_forward_per_turn_equals_the_segmented_splice(engine, seam, layout, prefix, monkeypatch):
+    """A spliced turn runs the LM once (text, seams and tail together under a causal-by-prompt-
+    index mask) and gives the segmented splice's logits and KV, also after a prefix-cache hit."""
+    ad = engine.adapter
+    plan = engine.splice_plan(_layouts(engine)[layout])
+    start = plan.placements[0].start - 1 if prefix else 0  # a cache ending just before the first chunk
+
+    def cache_of_prefix():
+        cache = ad.new_cache()
+        if start:
+            ad.forward(plan.input_ids[:start], plan.positions[:, :start], cache)
+        return cache
+
+    forwards, forward, cache = [], ad.forward, cache_of_prefix()
+    monkeypatch.setattr(ad, "forward", lambda *a, **k: forwards.append(a[0].numel()) or forward(*a, **k))
+    got = prefill_spliced(ad, plan.input_ids, plan.positions, plan.placements, seam, cache=cache, start=start)
+    assert forwards == [got.computed_tokens]
+    monkeypatch.undo()
+    want, want_cache = _segmented_splice(ad, plan.input_ids, plan.positions, plan.placements, seam,
+                                         cache_of_prefix(), start)
+    diff = (got.logits - want).abs().max().item()
+    kv = max((a - b).abs().max().item() for la, lb in zip(got.cache.layers, want_cache.layers)
+             for a, b in ((la.keys, lb.keys), (la.values, lb.values)))
+    print(f"{ad.family} {layout} seam={seam} prefix={prefix}: one forward vs segmented logits {diff:.1e}, KV {kv:.1e}")
+    assert diff <= 1e-5 and kv <= 1e-5
+    assert got.cache.get_seq_length() == plan.input_ids.numel()
+
+
+def test_decoding_after_a_splice_appends(engine):
+    """The preallocated cache behaves as an ordinary one once the turn is prefilled: a decode step
+    over it equals the same step over the segmented splice's cache."""
+    ad = engine.adapter
+    plan = engine.splice_plan(_layouts(engine)["middle"])
+    got = prefill_spliced(ad, plan.input_ids, plan.positions, plan.placements, 1)
+    _, want_cache = _segmented_splice(ad, plan.input_ids, plan.positions, plan.placements, 1, ad.new_cache(), 0)
+    step = torch.full((3, 1), int(plan.positions.max()) + 1)
+    token = got.logits.argmax(-1)
+    a, b = ad.forward(token, step, got.cache), ad.forward(token, step, want_cache)
+    assert got.cache.get_seq_length() == plan.input_ids.numel() + 1
+    assert (a - b).abs().max().item() <= 1e-5
