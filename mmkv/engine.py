@@ -11,10 +11,10 @@ serialised; the HTTP server still runs one worker that owns the engine.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,11 +26,14 @@ from mmkv.adapters import ImageFeatures, VLAdapter, load_adapter
 from mmkv.chunks import CachedChunk, chunk_cache_key
 from mmkv.edits import (
     EditPolicy,
+    EditRules,
     FieldChange,
     RecentPrompt,
-    describe_change,
+    RecentPrompts,
+    TemplateTokens,
+    TokenView,
+    detect_field_change,
     extended_prompt,
-    find_change,
     insert_before_final_turn,
     parse_edit_policy,
     prefill_edited,
@@ -51,11 +54,13 @@ from mmkv.rerotate import POLICIES, target_positions
 from mmkv.sampling import Sampler, SamplingParams, TokenLogprob, TokenTexts, logprobs_of
 from mmkv.splice import Placement, PrefillResult, precompile_chunk, precompile_image, prefill_full, prefill_spliced
 
+log = logging.getLogger("mmkv.engine")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_MODEL = REPO_ROOT / "samples" / "models" / "qwen2_5_vl-tiny"
 ANCHORS = ("system", "none")
 RECENT_PROMPTS = 16  # per tenant and settings, for edit detection
 RECENT_KEYS = 256  # (tenant, settings) pairs whose recent prompts are kept
+RECENT_BYTES = 64 << 20  # all recent prompts together (4 bytes a token, no tensors)
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # as OpenAI: bounds the stop-string search per token
 PROCESSOR_ONLY = re.compile(r"<\|(vision_[a-z]+|image_pad|video_pad)\|>")  # tokens only the processor places
 
@@ -154,6 +159,7 @@ class EditReport:
     recomputed_tokens: int = 0  # LM tokens computed for the prompt
     reused_tokens: int = 0  # prompt tokens whose KV came from a cache
     erratum: str = ""  # the erratum line appended (erratum policy)
+    reason: str = ""  # why the policy asked for did not apply (then `applied` is recompute)
 
 
 @dataclass
@@ -227,7 +233,7 @@ class Engine:
         self.prefix = PrefixCache(self.cache)
         self._images: dict[tuple[str, str], _Registered] = {}
         self._skills: dict[tuple[str, str], _Skill] = {}
-        self._recent: OrderedDict[tuple[str, str], deque[RecentPrompt]] = OrderedDict()
+        self._recent = RecentPrompts(RECENT_PROMPTS, RECENT_KEYS, RECENT_BYTES)
         self._lock = threading.RLock()
         self._counters = _Counters()
         self.fingerprint = xxhash.xxh3_128(adapter.fingerprint_source().encode()).hexdigest()
@@ -235,6 +241,8 @@ class Engine:
         self.grid_settings = f"{ip.size}|patch={ip.patch_size}|merge={ip.merge_size}"
         self.anchor_ids = self._anchor_ids() if self.settings.anchor == "system" else torch.empty(0, dtype=torch.long)
         self.stop_ids = self._stop_ids()
+        self._template_tokens = self._template_token_ids()
+        self._edit_rules = EditRules(max_tokens=self.settings.edit_max_tokens)
         self.vocab_size = int(adapter.text_config.vocab_size)
         self.banned_ids = self._processor_only_ids()
         self.token_texts = TokenTexts(adapter.tokenizer)
@@ -279,6 +287,18 @@ class Engine:
 
     def _tokenize(self, text: str) -> torch.Tensor:
         return torch.tensor(self.adapter.tokenizer(text)["input_ids"], dtype=torch.long)
+
+    def _template_token_ids(self) -> TemplateTokens:
+        """What edit detection needs to know of the chat template: turn markers and the ids that
+        only the template or the processor places (every added special token)."""
+        tok = self.adapter.tokenizer
+        special = set(tok.added_tokens_decoder) | set(tok.all_special_ids)
+        return TemplateTokens(
+            turn_start=tok.convert_tokens_to_ids("<|im_start|>"),
+            generation_prompt=tuple(tok("<|im_start|>assistant\n")["input_ids"]),
+            special=frozenset(special),
+            decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
+        )
 
     def _stop_ids(self) -> set[int]:
         ids = set()
@@ -568,34 +588,73 @@ class Engine:
     def _prefill_reuse(self, plan: SplicePlan, tenant: str, seam: int, policy: str, edit: EditPolicy,
                        max_new_tokens: int) -> tuple[PrefillResult, SplicePlan, EditReport | None]:
         """Edit detection, then the edit policy, then prefix cache + splice. Returns the prefill,
-        the plan actually prefilled (the erratum policy rewrites the prompt) and the edit report."""
+        the plan actually prefilled (the erratum policy rewrites the prompt) and the edit report.
+        A policy that cannot apply, or fails, falls back to the exact path (recompute) and the
+        report says why: a policy never turns an answerable request into an error."""
         salt = self._salt(tenant, seam, policy)
-        recent = self._recent.pop((tenant, salt), None) or deque(maxlen=RECENT_PROMPTS)
-        self._recent[(tenant, salt)] = recent  # most recently used last; the oldest conversations go
-        while len(self._recent) > RECENT_KEYS:
-            self._recent.popitem(last=False)
-        client_ids, client_keys = plan.input_ids.tolist(), plan.chunk_keys
-        change = find_change(client_ids, client_keys, list(recent), self.settings.edit_max_tokens)
+        recent = self._recent.of((tenant, salt))
+        client = TokenView.of(plan.input_ids, plan.placements)
+        change = detect_field_change(client, recent, self._template_tokens, self._edit_rules)
         report = None
         if change is not None:
-            field_name, old, new = describe_change(self.adapter.tokenizer, client_ids, change)
-            report = EditReport(str(edit), True, field=field_name, old_value=old, new_value=new,
-                                changed_tokens=change.new_len)
+            report = EditReport(str(edit), True, field=change.field, old_value=change.old_value,
+                                new_value=change.new_value, changed_tokens=change.new_len)
         elif edit.name != "recompute":
             report = EditReport(str(edit), False)
+        result = None
+        if edit.name != "recompute":
+            try:
+                result, plan = self._apply_edit_policy(edit, plan, client, change, report, recent, salt, seam,
+                                                       policy, max_new_tokens)
+            except Exception as exc:  # noqa: BLE001 - the exact path below answers instead
+                log.warning("edit policy %s failed, recomputing: %r", edit, exc)
+                result = None  # `plan` is still the client's: the exception came before any rewrite
+                report.applied, report.reason = "recompute", f"{edit} failed ({type(exc).__name__}); recomputed"
+        if result is None:
+            result = self._prefill_prefix(plan, salt, seam, policy)
+            if self.settings.prefix_cache:  # the edit policies build on the prefix cache
+                rewritten = report is not None and report.applied == "erratum"
+                prefilled = TokenView.of(plan.input_ids, plan.placements) if rewritten else client
+                self._recent.add((tenant, salt), RecentPrompt(client, prefilled))
+        if report is not None:
+            report.recomputed_tokens, report.reused_tokens = result.computed_tokens, result.reused_tokens
+        return result, plan, report
+
+    def _apply_edit_policy(self, edit: EditPolicy, plan: SplicePlan, client: TokenView, change: FieldChange | None,
+                           report: EditReport, recent: list[RecentPrompt], salt: str, seam: int, policy: str,
+                           max_new_tokens: int) -> tuple[PrefillResult | None, SplicePlan]:
+        """Run `edit`: the erratum policy returns the rewritten plan (prefilled by the caller);
+        in_place / selective@K return their prefill. Sets report.applied and, when the policy
+        cannot apply, report.reason (the caller then recomputes `plan`)."""
         if edit.name == "erratum":
-            plan, line = self._erratum_plan(plan, change, report, policy, recent)
-            report.erratum = line
-            report.applied = "erratum" if line or plan.input_ids.tolist() != client_ids else "recompute"
-            if plan.input_ids.numel() + max_new_tokens > self.max_context:
-                raise PromptTooLongError("the prompt with its erratum exceeds the context", param="messages")
-        elif change is not None and edit.name in ("in_place", "selective"):
-            result = prefill_edited(self.adapter, self.cache, plan, change, seam, edit.k,
-                                    self.settings.selective_layer, rotate=policy != "none")
-            if result is not None:
-                report.applied = str(edit)
-                report.recomputed_tokens, report.reused_tokens = result.computed_tokens, result.reused_tokens
-                return result, plan, report
+            rewritten = self._erratum_plan(plan, client, change, recent, policy)
+            if rewritten is None:
+                report.reason = "no field change" if change is None else "a chunk of the earlier prompt was evicted"
+                return None, plan
+            new_plan, line = rewritten
+            if new_plan.input_ids.numel() + max_new_tokens > self.max_context:
+                report.reason = "the prompt with its erratum would exceed the context"
+                return None, plan
+            report.applied, report.erratum = "erratum", line
+            return None, new_plan
+        if change is None:
+            report.reason = "no field change"
+            return None, plan
+        if change.prompt.rewritten:
+            report.reason = "the earlier prompt was rewritten by an erratum"
+            return None, plan
+        old = change.prompt.prefilled
+        old_keys = block_keys(torch.from_numpy(old.ids).long(), old.chunk_keys(), salt)
+        result = prefill_edited(self.adapter, self.cache, plan, change, old_keys, seam, edit.k,
+                                self.settings.selective_layer, rotate=policy != "none")
+        if result is None:
+            report.reason = "the earlier prompt's KV is no longer cached past the change"
+            return None, plan
+        report.applied = str(edit)
+        return result, plan
+
+    def _prefill_prefix(self, plan: SplicePlan, salt: str, seam: int, policy: str) -> PrefillResult:
+        """The exact reuse path: the longest cached prompt prefix, then splice; full blocks go back."""
         keys = block_keys(plan.input_ids, plan.chunk_keys, salt) if self.settings.prefix_cache else []
         blocks = self.prefix.lookup(keys, plan.input_ids.numel()) if keys else []
         cache = self.adapter.new_cache()
@@ -605,37 +664,41 @@ class Engine:
                                  rotate=policy != "none", cache=cache, start=start)
         if keys:
             self.prefix.insert(keys, result.cache, plan.positions, len(blocks), plan.input_ids.numel())
-            recent.append(RecentPrompt(client_ids, client_keys, plan.input_ids.tolist(), plan.chunk_keys, keys,
-                                       [(p.start, p.entry) for p in plan.placements]))
-        if report is not None:
-            report.recomputed_tokens, report.reused_tokens = result.computed_tokens, result.reused_tokens
-        return result, plan, report
+        return result
 
-    def _erratum_plan(self, plan: SplicePlan, change: FieldChange | None, report: EditReport, policy: str,
-                      recent) -> tuple[SplicePlan, str]:
+    def _erratum_plan(self, plan: SplicePlan, client: TokenView, change: FieldChange | None,
+                      recent: list[RecentPrompt], policy: str) -> tuple[SplicePlan, str] | None:
         """Keep the old prompt whole and append: with a detected change, the new prompt's tail
         with the erratum line at the start of its final user turn; when the prompt extends an
-        earlier rewritten one, that rewrite plus the new tail."""
-        client = plan.input_ids.tolist()
+        earlier rewritten one, that rewrite plus the new tail. None when neither applies, or a
+        chunk of the old prompt is no longer cached."""
         if change is not None:
             base, tail_from = change.prompt, change.start + change.new_len + change.rest
         else:
-            base = extended_prompt(client, plan.chunk_keys, list(recent))
+            base = extended_prompt(client, recent)
             if base is None:
-                return plan, ""
-            tail_from = len(base.client_ids)
-        ids, at, line = base.token_ids + client[tail_from:], len(base.token_ids) + len(client) - tail_from, ""
+                return None
+            tail_from = len(base.client)
+        old = base.prefilled
+        spans = []
+        for s, _, key, kind in old.spans:
+            entry = self.cache.get(key, kind)
+            if entry is None:
+                return None
+            spans.append((s, entry))
+        client_ids = client.ids.tolist()
+        old_ids = old.ids.tolist()
+        ids, at, line = old_ids + client_ids[tail_from:], len(old_ids) + len(client_ids) - tail_from, ""
         if change is not None:
-            line = erratum_line(report.field, report.new_value)
+            line = erratum_line(change.field, change.new_value)
             tok = self.adapter.tokenizer
             ids, at = insert_before_final_turn(
                 ids, tok("<|im_start|>user\n")["input_ids"], tok(line + "\n")["input_ids"],
-                tok("<|im_end|>\n")["input_ids"], tok("<|im_start|>assistant\n")["input_ids"], len(base.token_ids))
-        inserted = len(ids) - len(base.token_ids) - (len(client) - tail_from)
-        spans = list(base.spans)
+                tok("<|im_end|>\n")["input_ids"], tok("<|im_start|>assistant\n")["input_ids"], len(old_ids))
+        inserted = len(ids) - len(old_ids) - (len(client_ids) - tail_from)
         for p in plan.placements:
             if p.start >= tail_from:
-                start = p.start - tail_from + len(base.token_ids)
+                start = p.start - tail_from + len(old_ids)
                 spans.append((start + inserted if start >= at else start, p.entry))
         return self._plan(torch.tensor(ids, dtype=torch.long), spans, policy), line
 

@@ -80,17 +80,22 @@ class EngineWorker:
         self.stats = dict(self.engine.stats())
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Refuse new jobs, fail queued ones, cancel the running one and join the thread."""
+    def drain(self) -> None:
+        """Refuse new jobs and fail the queued ones (503 `shutting_down`); the running one goes on."""
         with self._cond:
             self._stopping = True
             dropped = list(self._pending)
             self._pending.clear()
-            if self._running is not None:
-                self._running.cancelled.set()
             self._cond.notify_all()
         for job in dropped:
             _fail(job, WorkerStoppedError("the server is shutting down"))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Refuse new jobs, fail queued ones, cancel the running one and join the thread."""
+        self.drain()
+        with self._cond:
+            if self._running is not None:
+                self._running.cancelled.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -149,6 +154,9 @@ class EngineWorker:
                 result, error = job.fn(self.engine, job.cancelled.is_set), None
             except BaseException as exc:  # noqa: BLE001 - every failure goes back to its request
                 result, error = None, exc
+                if isinstance(exc, StopIteration):  # asyncio cannot raise it into a Future: the request would hang
+                    error = RuntimeError(f"the engine raised {exc!r}")
+                    error.__cause__ = exc
             job.finished_at = time.perf_counter()
             # Stats first, then release: whoever the result wakes sees counters that include it.
             self._refresh_stats()
