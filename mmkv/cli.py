@@ -138,5 +138,9 @@ from mmkv.vqa_eval.cli import eval_command  # noqa: E402  (its heavy imports hap
 
 app.command(name="eval")(eval_command)
 
+from mmkv.bench import bench_command  # noqa: E402  (its heavy imports happen inside)
+
+app.command(name="bench")(bench_command)
+
 if __name__ == "__main__":
     app()

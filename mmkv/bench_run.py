@@ -1,0 +1,492 @@
+"""The arms and modes of `mmkv bench` (mmkv/bench.py is the command): models built from config,
+turns timed interleaved, one table per case."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+from PIL import Image, ImageDraw
+
+from mmkv.bench import CONFIGS
+
+BLOCK = 16  # exact-prefix caching reuses whole blocks of this many tokens (vLLM's default)
+SEAM = 1
+
+
+class BenchError(Exception):
+    """The bench cannot run as asked (model too large for the device, unknown config)."""
+
+
+# ---- models -----------------------------------------------------------------------------------------
+def _configs() -> dict[str, tuple[str, dict, dict]]:
+    """family, text and vision overrides of each built-in config (random weights)."""
+    bench_text = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=2, max_position_embeddings=32768,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})
+    bench_vision = dict(depth=8, hidden_size=640, intermediate_size=1536, num_heads=10, out_hidden_size=1024,
+                        window_size=112, fullatt_block_indexes=[3, 7])
+    q25_text = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                    num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})
+    q25_vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                      window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
+    q3_text = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                   rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
+                                    "mrope_interleaved": True})
+    q3_vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                     num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
+    return {"bench": ("qwen2_5_vl", bench_text, bench_vision), "tiny": ("qwen2_5_vl", {}, {}),
+            "qwen2.5-vl-7b": ("qwen2_5_vl", q25_text, q25_vision), "qwen3-vl-8b": ("qwen3_vl", q3_text, q3_vision)}
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+
+
+def build_engine(config: str, model_dir: Path | None, device: str, dtype: str | None, max_image_tokens: int):
+    """An Engine over a local checkpoint, or over a random model of a built-in config, built in
+    memory (nothing written). Refuses clearly when the weights would not fit the device."""
+    from transformers import AutoModelForImageTextToText
+
+    from mmkv.adapters import adapter_class
+    from mmkv.engine import Engine, EngineSettings
+    from mmkv.tiny import build_processor, build_tokenizer, tiny_config
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda but no CUDA device is visible")
+    max_pixels = max_image_tokens * 28 * 28 * 2
+    if model_dir is not None:
+        return Engine.from_pretrained(model_dir, dtype=dtype, device=device, max_pixels=max_pixels)
+    if config not in CONFIGS:
+        raise BenchError(f"unknown --config {config!r}; expected one of {', '.join(CONFIGS)}")
+    family, text, vision = _configs()[config]
+    torch_dtype = getattr(torch, dtype) if dtype else (torch.float32 if config in ("bench", "tiny") else torch.bfloat16)
+    tokenizer = build_tokenizer()
+    cfg = tiny_config(family, tokenizer, text=text, vision=vision)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForImageTextToText.from_config(cfg).parameters())
+    need, have = params * torch_dtype.itemsize, _available_bytes(dev)
+    if need * 1.2 > have:
+        raise BenchError(f"--config {config} needs {need / 2**30:.1f} GiB of {dev.type} memory for its "
+                         f"{params / 1e9:.2f}B {torch_dtype} weights (plus activations); {have / 2**30:.1f} GiB "
+                         f"available. Run it on a GPU with --device cuda.")
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(cfg, dtype=torch_dtype, attn_implementation="sdpa").to(dev)
+    processor = build_processor(family, tokenizer, min_pixels=56 * 56, max_pixels=max_pixels)
+    adapter = adapter_class(cfg.model_type)(model, processor)
+    return Engine(adapter, EngineSettings(seam_tokens=SEAM, cache_bytes=8 << 30), model_id=f"random-{config}")
+
+
+# ---- measuring --------------------------------------------------------------------------------------
+@dataclass
+class Arm:
+    name: str
+    run: Callable[[], tuple[float, int]]  # one turn -> (seconds, LM tokens computed)
+    vision_runs: int = 0
+
+
+@dataclass
+class Row:
+    arm: str
+    ms: float  # median
+    runs_ms: list[float]
+    computed_tokens: int
+    vision_runs: int
+    speedup_vs_full: float | None = None
+    pct_of_limit: float | None = None
+
+
+@dataclass
+class Table:
+    mode: str
+    case: str
+    prompt_tokens: int
+    rows: list[Row] = field(default_factory=list)
+    notes: dict = field(default_factory=dict)
+
+
+def timed(fn: Callable[[], int]) -> Callable[[], tuple[float, int]]:
+    """Wrap a turn that returns its computed-token count into one that also returns its seconds."""
+    def run():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        n = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, n
+    return run
+
+
+def interleave(arms: list[Arm], repeats: int) -> list[Row]:
+    """One warm-up each, then `repeats` rounds of every arm in turn."""
+    runs = {a.name: [] for a in arms}
+    tokens = {}
+    for a in arms:
+        a.run()
+    for _ in range(repeats):
+        for a in arms:
+            s, tokens[a.name] = a.run()
+            runs[a.name].append(s * 1e3)
+    return [Row(a.name, statistics.median(runs[a.name]), runs[a.name], tokens[a.name], a.vision_runs) for a in arms]
+
+
+def finish(table: Table, full: str | None, limit: str | None) -> Table:
+    ms = {r.arm: r.ms for r in table.rows}
+    for r in table.rows:
+        r.speedup_vs_full = ms[full] / r.ms if full else None
+        r.pct_of_limit = 100 * ms[limit] / r.ms if limit else None
+    return table
+
+
+# ---- turns that every mode shares -------------------------------------------------------------------
+class TextContext:
+    """A text-only prompt of `length` tokens with its KV: the limit (one forward of the last q tokens
+    over the first n - q already in place) and the text-only turn (those n - q copied in, then one
+    forward), for any n <= length."""
+
+    def __init__(self, adapter, length: int):
+        from mmkv.splice import prefill_full
+
+        words = adapter.tokenizer("the quick brown fox jumps over the lazy dog . ")["input_ids"]
+        self.adapter = adapter
+        self.ids = torch.tensor((words * (length // len(words) + 1))[:length])
+        self.pos = torch.arange(length).expand(3, length)
+        self.load = _kv_loader(adapter, prefill_full(adapter, self.ids, self.pos, None).cache)
+
+    def limit(self, n: int, q: int) -> Callable[[], tuple[float, int]]:
+        from mmkv.splice import forward_into_slots, preallocate
+
+        cache = self.load(n - q)
+        layers = preallocate(self.adapter, cache, n - q, n)
+        index = torch.arange(n - q, n)
+
+        def turn() -> int:
+            forward_into_slots(self.adapter, cache, layers, self.ids, self.pos, index)
+            return q
+        return timed(turn)
+
+    def text_only(self, n: int, q: int) -> Callable[[], tuple[float, int]]:
+        from mmkv.splice import prefill_spliced
+
+        return timed(lambda: prefill_spliced(self.adapter, self.ids[:n], self.pos[:, :n], [], SEAM,
+                                             cache=self.load(n - q), start=n - q).computed_tokens)
+
+
+def _block_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Tokens exact-prefix caching reuses for prompt `a` after serving prompt `b`: whole blocks of
+    their common prefix, capped at len(a) - 1."""
+    n = min(a.numel(), b.numel())
+    diff = (a[:n] != b[:n]).nonzero()
+    common = int(diff[0]) if diff.numel() else n
+    return min(common, a.numel() - 1) // BLOCK * BLOCK
+
+
+def _kv_loader(adapter, full_cache) -> Callable[[int], object]:
+    """load(n): a new cache holding a copy of the first n tokens' KV of `full_cache` (what a
+    prefix-cache hit costs: one copy)."""
+    kv = [(layer.keys, layer.values) for layer in full_cache.layers]
+
+    def load(n: int):
+        cache = adapter.new_cache()
+        for i, (k, v) in enumerate(kv):
+            if n:
+                cache.update(k[:, :, :n], v[:, :, :n], i)
+        return cache
+    return load
+
+
+def chunk_arms(engine, messages: Callable[[int], list], text: TextContext, vision: tuple | None) -> tuple[list[Arm], dict]:
+    """The arms for a turn whose chunk (image or skill) moved: messages(k) is the turn, k varying
+    the text before the chunk (so no prefix cache covers the new turn). `vision` is (pixels, grid)
+    for an image chunk, None for a skill."""
+    from mmkv.splice import prefill_full, prefill_spliced
+
+    ad = engine.adapter
+    plan, other = engine.splice_plan(messages(0)), engine.splice_plan(messages(1))
+    ids, native, n = plan.input_ids, plan.native_positions, plan.input_ids.numel()
+    hit = _block_prefix(ids, other.input_ids)
+    entry = plan.placements[0].entry
+    feats = plan.chunk_features()
+    load = _kv_loader(ad, prefill_full(ad, ids, native, feats).cache)
+    encode = (lambda: ad.encode_image(*vision)) if vision else (lambda: None)
+    runs_tower = int(vision is not None)
+
+    def full() -> int:
+        return prefill_full(ad, ids, native, encode()).computed_tokens
+
+    def exact_prefix(features: Callable) -> Callable[[], int]:
+        def turn() -> int:
+            ad.forward(ids[hit:], native[:, hit:], load(hit), features())
+            return n - hit
+        return turn
+
+    def splice(k: int) -> Callable[[], int]:
+        return lambda: prefill_spliced(ad, ids, plan.positions, plan.placements, k, cache=load(hit),
+                                       start=hit).computed_tokens
+
+    def engine_turn(reuse: bool) -> Callable[[], tuple[float, int]]:
+        def run():
+            r = engine.generate(messages(next(counter)), max_new_tokens=1, reuse=reuse)
+            return r.ttft_s, r.lm_tokens_computed
+        return run
+
+    counter = iter(range(1, 1 << 30))
+    q = splice(SEAM)()
+    arms = [Arm("full recompute", timed(full), runs_tower),
+            Arm("exact-prefix caching", timed(exact_prefix(encode)), runs_tower)]
+    if vision:
+        arms.append(Arm("encoder cache + prefix caching", timed(exact_prefix(lambda: feats))))
+    arms += [Arm("mmkv splice k=0", timed(splice(0))), Arm("mmkv splice k=1", timed(splice(1))),
+             Arm("engine (reuse)", engine_turn(True)), Arm("engine (reuse=False)", engine_turn(False), runs_tower),
+             Arm("text-only turn", text.text_only(n, q)), Arm("limit", text.limit(n, q))]
+    return arms, {"prefix_hit_tokens": hit, "chunk_tokens": entry.num_tokens, "new_tokens": q}
+
+
+# ---- modes ------------------------------------------------------------------------------------------
+def _picture(tokens: int) -> bytes:
+    """A square picture whose side gives `tokens` image tokens at 28 px per token (patch 14, merge 2)."""
+    px = int(round(tokens**0.5)) * 28
+    img = Image.new("RGB", (px, px), (90, 120, 150))
+    draw = ImageDraw.Draw(img)
+    for i in range(0, px, 32):
+        draw.rectangle([i, i // 2, i + 20, i // 2 + 20], fill=(i % 255, 200, 40))
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return buf.getvalue()
+
+
+HISTORY = [{"role": "system", "content": "you are a careful assistant ."},
+           {"role": "user", "content": "here is some context for the task . " * 3},
+           {"role": "assistant", "content": "noted ."}]
+
+
+def bench_image(engine, tokens: int, repeats: int, text: TextContext) -> Table:
+    ad = engine.adapter
+    png = _picture(tokens)
+    image_id = engine.add_image(png)
+    vision = ad.preprocess_image(Image.open(io.BytesIO(png)).convert("RGB"))
+
+    def messages(k: int):
+        return HISTORY + [{"role": "user", "content": [
+            {"type": "text", "text": f"turn {k} : look again at"},
+            {"type": "image_file", "image_file": {"file_id": image_id}},
+            {"type": "text", "text": "what is in it ?"}]}]
+
+    arms, notes = chunk_arms(engine, messages, text, vision)
+    n = engine.prompt_ids(messages(0)).numel()
+    table = Table("image", f"image, {notes['chunk_tokens'] - 2} tokens", n, interleave(arms, repeats), notes)
+    return finish(table, "full recompute", "limit")
+
+
+def _text_of(tokenizer, tokens: int, sentence: str) -> str:
+    ids = tokenizer(sentence)["input_ids"]
+    return sentence * (tokens // len(ids) + 1)
+
+
+def bench_skill(engine, tokens: int, repeats: int, text: TextContext) -> Table:
+    body = _text_of(engine.adapter.tokenizer, tokens, "tool search ( query , top_k ) returns ranked documents . ")
+    skill_id = engine.add_skill("spec", body)
+
+    def messages(k: int):
+        return [{"role": "system", "content": [{"type": "text", "text": f"user {k} prefers short answers .\n"},
+                                               {"type": "skill", "skill_id": skill_id}]},
+                {"role": "user", "content": "which tool finds documents ?"}]
+
+    arms, notes = chunk_arms(engine, messages, text, None)
+    n = engine.prompt_ids(messages(0)).numel()
+    table = Table("skill", f"skill, {notes['chunk_tokens']} tokens", n, interleave(arms, repeats), notes)
+    return finish(table, "full recompute", "limit")
+
+
+def bench_errata(engine, policy_tokens: int, turns: int, text: TextContext) -> Table:
+    """An agent loop whose status field changes every turn, through the engine: an appended erratum
+    vs the field edited in the system prompt (exact-prefix caching then stops at the field) vs the
+    full recompute; the limit and text-only turn at the erratum turn's length and new tokens."""
+    policy = _text_of(engine.adapter.tokenizer, policy_tokens,
+                      "refunds need a delivered order and a damage report within thirty days . ")
+
+    def conversation(t: int, erratum: bool):
+        values = [f"{('pending', 'shipped')[i % 2]}-{i}" for i in range(t + 1)]
+        msgs = [{"role": "system", "content": f"order_status: {values[0] if erratum else values[t]}\n" + policy}]
+        for u in range(t + 1):
+            parts = [{"type": "state_update", "field": "order_status", "value": values[u]}] if erratum and u else []
+            msgs.append({"role": "user", "content": parts + [{"type": "text", "text": "refund or escalate ?"}]})
+            if u < t:
+                msgs.append({"role": "assistant", "content": "escalate"})
+        return msgs
+
+    def turn(t: int, erratum: bool, reuse: bool, tenant: str):
+        r = engine.generate(conversation(t, erratum), max_new_tokens=1, reuse=reuse, tenant=tenant)
+        return r
+
+    names = ("full recompute", "exact-prefix caching (field edited in place)", "mmkv erratum (appended)",
+             "text-only turn", "limit")
+    runs = {name: [] for name in names}
+    tokens, length = {}, 0
+    for t in range(turns):
+        rs = {names[0]: turn(t, False, False, "errata-full"), names[1]: turn(t, False, True, "errata-prefix"),
+              names[2]: turn(t, True, True, "errata-erratum")}
+        for name, r in rs.items():
+            runs[name].append(r.ttft_s * 1e3)
+            tokens[name] = r.lm_tokens_computed
+        length, q = rs[names[2]].usage.prompt_tokens, rs[names[2]].lm_tokens_computed
+        for name, arm in ((names[3], text.text_only(length, q)), (names[4], text.limit(length, q))):
+            arm()  # warm-up at this shape
+            s, tokens[name] = arm()
+            runs[name].append(s * 1e3)
+    rows = [Row(name, statistics.median(runs[name][1:]), runs[name][1:], tokens[name], 0) for name in names]
+    table = Table("errata", f"{policy_tokens}-token policy, turns 2..{turns}", length, rows,
+                  {"turns": turns, "note": "median over turns 2.., the first turn fills the caches"})
+    return finish(table, "full recompute", "limit")
+
+
+def bench_copy(engine, entries: list, repeats: int) -> list[dict]:
+    """GB/s of placing a cached chunk's KV (keys rotated by a constant position change, values
+    copied) into a preallocated cache, against a plain clone of the same tensors."""
+    from mmkv.splice import Placement, place_chunk, preallocate
+
+    ad = engine.adapter
+    out = []
+    for entry in entries:
+        n = entry.num_tokens
+        placement = Placement(7, entry, entry.position_ids + 37)
+        layers = preallocate(ad, ad.new_cache(), 0, n + 7)
+        nbytes = sum(t.numel() * t.element_size() for t in (*entry.keys, *entry.values))
+
+        def splice():
+            place_chunk(layers, placement, 0, n, ad.rope)
+            return n
+
+        def clone():
+            for k, v in zip(entry.keys, entry.values):
+                k.clone(), v.clone()
+            return n
+
+        inner = max(1, int(2e8 // max(nbytes, 1)))  # ~200 MB moved per timed sample
+
+        def many(fn):
+            return timed(lambda: [fn() for _ in range(inner)][-1])
+
+        rows = interleave([Arm("splice copy (rotate into slots)", many(splice)), Arm("plain clone", many(clone))],
+                          repeats)
+        gbs = {r.arm: nbytes * inner / (r.ms / 1e3) / 1e9 for r in rows}
+        out.append({"chunk": f"{entry.kind}, {n} tokens", "bytes": nbytes,
+                    "splice_gb_s": gbs["splice copy (rotate into slots)"], "clone_gb_s": gbs["plain clone"],
+                    "ratio": gbs["splice copy (rotate into slots)"] / gbs["plain clone"]})
+    return out
+
+
+def bench_bytes(engine, entries: list) -> list[dict]:
+    """Bytes per cached token, chunks and prefix blocks, against 2 x layers x kv_heads x head_dim x dtype."""
+    text = engine.adapter.text_config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    ideal = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * engine.adapter.dtype.itemsize
+    out = []
+    for entry in entries:
+        kv = sum(t.numel() * t.element_size() for t in (*entry.keys, *entry.values))
+        out.append({"what": f"{entry.kind} chunk, {entry.num_tokens} tokens", "kv_bytes_per_token": kv / entry.num_tokens,
+                    "stored_bytes_per_token": entry.nbytes / entry.num_tokens, "ideal_bytes_per_token": ideal})
+    before = engine.stats()
+    engine.generate([{"role": "user", "content": "a plain text turn for the prefix cache . " * 20}], max_new_tokens=1,
+                    tenant="bench-bytes")
+    after = engine.stats()
+    blocks = after.get("prefix_blocks", 0) - before.get("prefix_blocks", 0)
+    if blocks > 0:
+        stored = after["cache_bytes"] - before["cache_bytes"]
+        out.append({"what": f"prefix blocks, {blocks} x {BLOCK} tokens (text turn)",
+                    "kv_bytes_per_token": stored / (blocks * BLOCK), "stored_bytes_per_token": stored / (blocks * BLOCK),
+                    "ideal_bytes_per_token": ideal})
+    return out
+
+
+# ---- report -----------------------------------------------------------------------------------------
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "cpu"
+
+
+def header(engine, threads: int, repeats: int) -> dict:
+    import transformers
+
+    ad = engine.adapter
+    t, v = ad.text_config, ad.config.vision_config
+    dev = ad.device
+    return {
+        "machine": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{_cpu_name()}, {os.cpu_count()} cores",
+        "device": str(dev), "threads": threads, "repeats": repeats,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "model": {"id": engine.model_id, "family": ad.family, "dtype": str(ad.dtype).removeprefix("torch."),
+                  "params_m": round(sum(p.numel() for p in ad.model.parameters()) / 1e6, 1),
+                  "lm": f"{t.num_hidden_layers} x {t.hidden_size}, {t.num_attention_heads} heads / "
+                        f"{t.num_key_value_heads} KV, head_dim {getattr(t, 'head_dim', None) or t.hidden_size // t.num_attention_heads}, "
+                        f"mrope {(t.rope_parameters or {}).get('mrope_section')}",
+                  "vision": f"{v.depth} x {v.hidden_size}"},
+    }
+
+
+def run_bench(engine, modes: list[str], repeats: int, threads: int, image_tokens: list[int], skill_tokens: list[int],
+              policy_tokens: int, turns: int, show: Callable[[str, dict], None]) -> dict:
+    """Every chosen mode; `show(kind, figures)` gets the header, each table, the copy and the
+    bytes figures as they are measured. Returns them all (the --json report)."""
+    report = header(engine, threads, repeats)
+    show("header", report)
+    longest = max([t + 96 for t in image_tokens if "image" in modes] + [t + 160 for t in skill_tokens if "skill" in modes]
+                  + [policy_tokens + 64 * turns + 256 if "errata" in modes else 0])
+    text = TextContext(engine.adapter, longest) if longest else None
+    report["tables"] = []
+    cases = [(bench_image, n) for n in image_tokens if "image" in modes]
+    cases += [(bench_skill, n) for n in skill_tokens if "skill" in modes]
+    for bench, n in cases:
+        report["tables"].append(asdict(bench(engine, n, repeats, text)))
+        show("table", report["tables"][-1])
+    if "errata" in modes:
+        report["tables"].append(asdict(bench_errata(engine, policy_tokens, turns, text)))
+        show("table", report["tables"][-1])
+    entries = _chunks(engine, image_tokens, skill_tokens) if "copy" in modes or "bytes" in modes else []
+    if "copy" in modes:
+        report["copy"] = bench_copy(engine, entries, repeats)
+        show("copy", {"rows": report["copy"]})
+    if "bytes" in modes:
+        report["bytes"] = bench_bytes(engine, entries)
+        show("bytes", {"rows": report["bytes"]})
+    return report
+
+
+def _chunks(engine, image_tokens: list[int], skill_tokens: list[int]) -> list:
+    """One cached chunk per image and skill size (added if an earlier mode did not)."""
+    entries = []
+    for n in image_tokens:
+        plan = engine.splice_plan([{"role": "user", "content": [
+            {"type": "image_file", "image_file": {"file_id": engine.add_image(_picture(n))}},
+            {"type": "text", "text": "?"}]}])
+        entries.append(plan.placements[0].entry)
+    for n in skill_tokens:
+        body = _text_of(engine.adapter.tokenizer, n, "tool search ( query , top_k ) returns ranked documents . ")
+        plan = engine.splice_plan([{"role": "user", "content": [
+            {"type": "skill", "skill_id": engine.add_skill("spec", body)}, {"type": "text", "text": "?"}]}])
+        entries.append(plan.placements[0].entry)
+    return entries
+
+

@@ -1,0 +1,90 @@
+"""`mmkv bench` on the tiny config, one round: the JSON holds every table, and each arm computes
+the tokens it claims (timings are measured by the bench, never asserted here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from mmkv.cli import app
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "--config", "tiny", "--threads", "1", "--repeats", "1",
+                                      "--image-tokens", "16", "--skill-tokens", "64", "--policy-tokens", "64",
+                                      "--turns", "2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "torch threads 1" in result.output and "### image" in result.output
+    return json.loads(out.read_text())
+
+
+def _rows(table):
+    return {r["arm"]: r for r in table["rows"]}
+
+
+def test_report_shape(report):
+    assert report["threads"] == 1 and report["repeats"] == 1
+    assert {"python", "torch", "transformers"} <= set(report["versions"])
+    assert report["model"]["family"] == "qwen2_5_vl" and report["model"]["dtype"] == "float32"
+    assert [t["mode"] for t in report["tables"]] == ["image", "skill", "errata"]
+    for table in report["tables"]:
+        rows = _rows(table)
+        assert rows["limit"]["pct_of_limit"] == pytest.approx(100.0)
+        full = next(r for name, r in rows.items() if name.startswith("full recompute"))
+        assert full["speedup_vs_full"] == pytest.approx(1.0)
+        for r in table["rows"]:
+            assert len(r["runs_ms"]) == 1 and r["ms"] > 0
+
+
+@pytest.mark.parametrize("mode", ["image", "skill"])
+def test_chunk_arms_compute_what_they_claim(report, mode):
+    table = next(t for t in report["tables"] if t["mode"] == mode)
+    rows, n, hit, new = _rows(table), table["prompt_tokens"], table["notes"]["prefix_hit_tokens"], table["notes"]["new_tokens"]
+    image = int(mode == "image")
+    assert rows["full recompute"]["computed_tokens"] == rows["engine (reuse=False)"]["computed_tokens"] == n
+    assert rows["exact-prefix caching"]["computed_tokens"] == n - hit
+    assert (rows["full recompute"]["vision_runs"], rows["exact-prefix caching"]["vision_runs"]) == (image, image)
+    if image:
+        assert rows["encoder cache + prefix caching"] == {**rows["encoder cache + prefix caching"], "computed_tokens": n - hit,
+                                                          "vision_runs": 0}
+    else:
+        assert "encoder cache + prefix caching" not in rows
+    # the chunk (all but its seam token) is the only difference between the splice and exact-prefix caching
+    assert rows["mmkv splice k=1"]["computed_tokens"] == n - hit - table["notes"]["chunk_tokens"] + 1 == new
+    assert rows["mmkv splice k=0"]["computed_tokens"] == new - 1
+    for arm in ("engine (reuse)", "text-only turn", "limit"):
+        assert rows[arm]["computed_tokens"] == new, arm
+    assert all(r["vision_runs"] == 0 for name, r in rows.items() if "splice" in name or "limit" in name)
+
+
+def test_errata_arms(report):
+    rows = _rows(next(t for t in report["tables"] if t["mode"] == "errata"))
+    erratum = rows["mmkv erratum (appended)"]["computed_tokens"]
+    assert rows["limit"]["computed_tokens"] == rows["text-only turn"]["computed_tokens"] == erratum
+    assert rows["full recompute"]["computed_tokens"] > rows["exact-prefix caching (field edited in place)"]["computed_tokens"] > erratum
+
+
+def test_copy_and_bytes(report):
+    kv_per_token = 2 * 3 * 2 * 16 * 4  # layers x KV heads x head_dim x float32, keys and values (tiny config)
+    assert [r["chunk"] for r in report["copy"]] == ["image, 18 tokens", "skill, 91 tokens"]
+    for r in report["copy"]:
+        assert r["bytes"] == kv_per_token * int(r["chunk"].split(", ")[1].split()[0])
+        assert r["ratio"] == pytest.approx(r["splice_gb_s"] / r["clone_gb_s"])
+    for r in report["bytes"]:
+        assert r["kv_bytes_per_token"] == r["ideal_bytes_per_token"] == kv_per_token
+    image = report["bytes"][0]
+    assert image["stored_bytes_per_token"] > kv_per_token  # the image's visual features are kept too
+
+
+def test_full_size_config_refused_when_memory_is_short(monkeypatch):
+    import mmkv.bench_run as bench_run
+
+    monkeypatch.setattr(bench_run, "_available_bytes", lambda device: 1 << 30)
+    with pytest.raises(bench_run.BenchError, match=r"qwen2.5-vl-7b needs 1[0-9]\.\d GiB of cpu memory"):
+        bench_run.build_engine("qwen2.5-vl-7b", None, "cpu", None, 256)
+    result = CliRunner().invoke(app, ["bench", "--config", "qwen3-vl-8b", "--modes", "nope"])
+    assert result.exit_code == 2 and "unknown nope" in result.output
