@@ -100,6 +100,14 @@ def serve(
     log_json: Annotated[bool, typer.Option("--log-json", envvar="MMKV_LOG_JSON",
                                            help="Log one JSON object per line.")] = False,
     log_level: Annotated[str, typer.Option(envvar="MMKV_LOG_LEVEL")] = "info",
+    store_dir: Annotated[str, typer.Option(envvar="MMKV_STORE_DIR", help=(
+        "Disk tier: uploads, skills and chunk KV kept here survive restarts. 'auto': "
+        "~/.cache/mmkv/<model fingerprint>; 'none': RAM only."))] = "auto",
+    store_gb: Annotated[float, typer.Option(envvar="MMKV_STORE_GB",
+                                            help="Chunk KV kept in the disk tier, GiB (LRU beyond).")] = 20.0,
+    redis_url: Annotated[str | None, typer.Option(envvar="MMKV_REDIS_URL", help=(
+        "Shared tier: redis://[user:password@]host:port/db or rediss:// (TLS). Servers on one Redis share "
+        "uploads, skills and chunk KV. Default: none."))] = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (chat completions, files, models)."""
     import uvicorn
@@ -116,7 +124,9 @@ def serve(
     try:
         engine = Engine.from_pretrained(model_dir, dtype=dtype, device=device, seam_tokens=seam_tokens,
                                         rope_policy=rope_policy, cache_bytes=int(cache_gb * (1 << 30)),
-                                        min_pixels=min_pixels, max_pixels=max_pixels)
+                                        min_pixels=min_pixels, max_pixels=max_pixels,
+                                        store_dir=None if store_dir == "none" else store_dir,
+                                        store_bytes=int(store_gb * (1 << 30)), redis_url=redis_url)
         settings = ServerSettings(
             api_keys=tuple(api_key or ()), max_queue=max_queue, max_body_bytes=int(max_body_mb * (1 << 20)),
             file_store_bytes=int(file_store_gb * (1 << 30)), max_images_per_request=max_images_per_request,
@@ -126,6 +136,11 @@ def serve(
         raise typer.Exit(code=2) from None
     log.info(f"loaded {engine.model_id} in {time.perf_counter() - t0:.1f}s",
              extra={"model": engine.model_id, "load_s": round(time.perf_counter() - t0, 3)})
+    if engine.tiers is not None:  # the shared URL is logged without its credentials
+        tiers = engine.tiers
+        log.info(f"tiers: disk {tiers.root or 'off'}, shared {tiers.shared.url if tiers.shared else 'off'}",
+                 extra={"store_dir": str(tiers.root) if tiers.root else None,
+                        "redis": tiers.shared.url if tiers.shared else None})
     if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(f"listening on {host} with no --api-key: anyone who can reach it can use it")
     log.info(f"OpenAI base URL: http://{host}:{port}/v1")

@@ -36,6 +36,24 @@ _ENGINE_METRICS = {
     "skill_entries": ("mmkv:skill_cache_entries", "Skills whose KV is cached.", "gauge"),
     "prefix_blocks": ("mmkv:prefix_cache_blocks", "Prompt-prefix blocks cached.", "gauge"),
     "registered_images": ("mmkv:registered_images", "Images registered with the engine, all tenants.", "gauge"),
+    "disk_bytes": ("mmkv:disk_tier_bytes", "Bytes of chunk KV in the disk tier.", "gauge"),
+    "redis_up": ("mmkv:redis_up", "1 while the shared tier (Redis) answers, 0 while degraded.", "gauge"),
+    "redis_errors": ("mmkv:redis_errors", "Shared-tier calls that failed (timeouts, connection errors).", "counter"),
+    "redis_call_s": ("mmkv:redis_call_seconds", "Total latency of the shared-tier calls that answered.", "counter"),
+    "redis_calls": ("mmkv:redis_calls", "Shared-tier calls that answered.", "counter"),
+    "registry_corrupt": ("mmkv:registry_corrupt", "Stored upload / skill records or blobs dropped as corrupt.",
+                         "counter"),
+}
+
+# Per tier (label tier = ram / disk / redis): engine.stats() key "<tier>_<key>" -> (metric, help).
+_TIER_METRICS = {
+    "hits": ("mmkv:tier_hits", "Chunk lookups answered by this tier."),
+    "misses": ("mmkv:tier_misses", "Chunk lookups this tier could not answer."),
+    "bytes_read": ("mmkv:tier_read_bytes", "Bytes of chunk KV loaded from this tier."),
+    "load_s": ("mmkv:tier_load_seconds", "Time spent loading (reading, checking, decoding) chunk KV from this tier."),
+    "writes": ("mmkv:tier_writes", "Chunks written to this tier."),
+    "evictions": ("mmkv:tier_evictions", "Chunks evicted from this tier to stay in its byte budget."),
+    "corrupt": ("mmkv:tier_corrupt", "Entries found truncated, corrupted or foreign on load: dropped, recomputed."),
 }
 
 
@@ -49,6 +67,12 @@ class _EngineStatsCollector:
             if key in stats:
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                 yield family(name, doc, value=float(stats[key]))
+        for key, (name, doc) in _TIER_METRICS.items():
+            family = CounterMetricFamily(name, doc, labels=["tier"])
+            for tier in ("ram", "disk", "redis"):
+                if f"{tier}_{key}" in stats:
+                    family.add_metric([tier], float(stats[f"{tier}_{key}"]))
+            yield family
         if "image_cache_hits" in stats and "image_cache_misses" in stats:
             queries = stats["image_cache_hits"] + stats["image_cache_misses"]
             yield CounterMetricFamily("mmkv:image_cache_queries", "Image lookups (items).", value=float(queries))

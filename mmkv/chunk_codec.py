@@ -1,0 +1,90 @@
+"""A cached chunk as bytes, for the disk and shared tiers: safetensors whose header carries the
+full durable key, the model fingerprint, the tensors' dtype and a SHA-256 checksum of every
+tensor. `decode_chunk` trusts nothing: a truncated, corrupted, swapped (another key) or foreign
+(another model or dtype) entry raises CorruptEntryError, and the caller drops it and recomputes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from mmkv.adapters import ImageFeatures
+from mmkv.chunks import CachedChunk
+
+FORMAT = "mmkv-chunk-1"
+
+
+class CorruptEntryError(Exception):
+    """A stored entry that must not be used: unreadable, tampered with, or made for another key or model."""
+
+
+def _checksum(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def encode_chunk(chunk: CachedChunk, key: str, fingerprint: str) -> bytes:
+    """Safetensors bytes of `chunk` (tensors moved to the CPU) under durable `key`."""
+    tensors = {"token_ids": chunk.token_ids, "position_ids": chunk.position_ids}
+    for i, (k, v) in enumerate(zip(chunk.keys, chunk.values)):
+        tensors[f"k.{i}"], tensors[f"v.{i}"] = k, v
+    if chunk.features is not None:
+        tensors["embeds"] = chunk.features.embeds
+        for i, d in enumerate(chunk.features.deepstack):
+            tensors[f"deepstack.{i}"] = d
+    tensors = {n: t.detach().contiguous().cpu() for n, t in tensors.items()}
+    meta = {"format": FORMAT, "key": key, "fingerprint": fingerprint, "kind": chunk.kind,
+            "layers": str(len(chunk.keys)), "deepstack": str(len(chunk.features.deepstack) if chunk.features else 0),
+            "grid_thw": json.dumps(list(chunk.grid_thw) if chunk.grid_thw else None),
+            "dtype": str(chunk.keys[0].dtype), "checksum": _checksum(tensors)}
+    return st_save(tensors, metadata=meta)
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    if len(data) < 8:
+        raise CorruptEntryError("shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise CorruptEntryError("truncated header")
+    try:
+        return json.loads(data[8:8 + n]).get("__metadata__") or {}
+    except (ValueError, AttributeError) as exc:
+        raise CorruptEntryError(f"unreadable header: {exc}") from None
+
+
+def decode_chunk(data: bytes, key: str, fingerprint: str, ram_key: str, kind: str, layers: int,
+                 dtype: torch.dtype, device: torch.device) -> CachedChunk:
+    """The chunk stored under durable `key`, as the in-RAM entry `ram_key` on `device`."""
+    meta = _metadata(data)
+    expected = {"format": FORMAT, "key": key, "fingerprint": fingerprint, "kind": kind, "layers": str(layers),
+                "dtype": str(dtype)}
+    for field, want in expected.items():
+        if meta.get(field) != want:
+            raise CorruptEntryError(f"{field} is {meta.get(field)!r}, expected {want!r}")
+    try:
+        tensors = st_load(data)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for every bad byte
+        raise CorruptEntryError(f"unreadable tensors: {exc}") from None
+    if _checksum(tensors) != meta.get("checksum"):
+        raise CorruptEntryError("checksum mismatch")
+    try:
+        t = {n: x.to(device) for n, x in tensors.items()}
+        features = None
+        if "embeds" in t:
+            features = ImageFeatures(t["embeds"], tuple(t[f"deepstack.{i}"] for i in range(int(meta["deepstack"]))))
+        grid = json.loads(meta["grid_thw"])
+        return CachedChunk(ram_key, kind, t["token_ids"], t["position_ids"],
+                           tuple(t[f"k.{i}"] for i in range(layers)), tuple(t[f"v.{i}"] for i in range(layers)),
+                           features, tuple(grid) if grid else None)
+    except (KeyError, ValueError, AssertionError) as exc:
+        raise CorruptEntryError(f"malformed entry: {exc!r}") from None

@@ -1,0 +1,87 @@
+"""Identity that may cross a process: the model fingerprint and the cryptographic keys of the
+disk and shared tiers.
+
+In-RAM keys may stay xxh3-128 (fast, and an entry never outlives the process that made it), but
+anything persisted or shared is keyed by SHA-256: a shared store is where a crafted collision
+would hand one user's KV to another. The fingerprint covers everything that changes a chunk's
+KV or the tokens it stands for: config and dtype, the weights (the safetensors index and every
+weight file's content, hashed once at load, streaming), the tokenizer, the chat template and
+the processor's configuration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_READ = 1 << 20
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's content, read in 1 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_READ):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _weights_from_files(model_dir: Path) -> list[tuple[str, str]] | None:
+    files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+    if not files:
+        return None
+    indexes = [model_dir / n for n in WEIGHT_INDEXES if (model_dir / n).is_file()]
+    return [(p.name, file_digest(p)) for p in (*indexes, *files)]
+
+
+def _weights_in_memory(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """For a model built in memory (tests, tools): its tensors, name by name."""
+    out = []
+    for name, t in sorted(model.state_dict().items()):
+        h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+        out.append((name, h.hexdigest()))
+    return out
+
+
+def model_fingerprint(adapter, model_dir: str | Path | None = None) -> str:
+    """SHA-256 over config and dtype, weights, tokenizer, chat template and processor config.
+    Weights come from `model_dir` (default: the directory the checkpoint was loaded from) when it
+    holds weight files, else from the model's tensors in memory. Tokenizer, template and
+    processor come from the live objects, so settings changed after loading count too."""
+    h = hashlib.sha256(b"mmkv-fingerprint-v1\x1f")
+    h.update(adapter.fingerprint_source().encode())
+    where = Path(model_dir or adapter.config.name_or_path or "")
+    weights = _weights_from_files(where) if str(where) and where.is_dir() else None
+    for name, digest in weights or _weights_in_memory(adapter.model):
+        h.update(f"\x1fw:{name}={digest}".encode())
+    processor, tokenizer = adapter.processor, adapter.tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(b"\x1ftok:" + (backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))).encode())
+    h.update(f"\x1fadded:{sorted(tokenizer.get_added_vocab().items())}".encode())
+    h.update(f"\x1ftemplate:{getattr(processor, 'chat_template', None) or tokenizer.chat_template}".encode())
+    h.update(f"\x1fprocessor:{processor.image_processor.to_json_string()}".encode())
+    return h.hexdigest()
+
+
+def content_digest(content: bytes | str) -> str:
+    """SHA-256 of an upload's bytes or a text's UTF-8."""
+    return hashlib.sha256(content.encode() if isinstance(content, str) else content).hexdigest()
+
+
+def image_source_digest(source) -> str:
+    """SHA-256 of what an image is recomputed from: its encoded bytes, or an RGB image's size and pixels."""
+    if isinstance(source, bytes):
+        return content_digest(source)
+    return content_digest(f"{source.mode}|{source.width}x{source.height}|".encode() + source.tobytes())
+
+
+def durable_key(kind: str, digest: str, fingerprint: str, grid_settings: str, anchor: str, tenant: str) -> str:
+    """The key of a chunk in the disk and shared tiers: SHA-256 of everything that changes its KV
+    (kind, content digest, model fingerprint, grid settings, anchor) and the tenant salt. 64 hex."""
+    text = "\x1f".join(("mmkv-chunk-v1", kind, digest, fingerprint, grid_settings, anchor, tenant))
+    return hashlib.sha256(text.encode()).hexdigest()
