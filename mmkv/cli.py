@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import logging.config
+import os
 import time
 from datetime import datetime, timezone
 from typing import Annotated
@@ -86,7 +87,26 @@ def serve(
                                            help="Requests waiting for the engine before 429.")] = 64,
     max_body_mb: Annotated[float, typer.Option(envvar="MMKV_MAX_BODY_MB", help="Largest request body (413).")] = 32.0,
     file_store_gb: Annotated[float, typer.Option(envvar="MMKV_FILE_STORE_GB",
-                                                 help="Uploaded image bytes kept in memory.")] = 2.0,
+                                                 help="Uploaded image bytes kept in memory, all keys (507).")] = 2.0,
+    key_file_quota_mb: Annotated[float, typer.Option(envvar="MMKV_KEY_FILE_QUOTA_MB",
+                                                     help="Uploaded bytes one API key may keep (429).")] = 512.0,
+    key_file_quota_count: Annotated[int, typer.Option(envvar="MMKV_KEY_FILE_QUOTA_COUNT",
+                                                      help="Uploaded files one API key may keep (429).")] = 10_000,
+    image_threads: Annotated[int, typer.Option(envvar="MMKV_IMAGE_THREADS",
+                                               help="Threads decoding images before they reach the engine.")] = 2,
+    body_timeout_s: Annotated[float, typer.Option(envvar="MMKV_BODY_TIMEOUT_S",
+                                                  help="A request body must arrive within this (408).")] = 60.0,
+    header_timeout_s: Annotated[float, typer.Option(envvar="MMKV_HEADER_TIMEOUT_S",
+                                                    help="Request headers must arrive within this, else the "
+                                                         "connection is closed.")] = 10.0,
+    keep_alive_s: Annotated[float, typer.Option(envvar="MMKV_KEEP_ALIVE_S",
+                                                help="Idle keep-alive connections are closed after this.")] = 5.0,
+    max_connections: Annotated[int, typer.Option(envvar="MMKV_MAX_CONNECTIONS",
+                                                 help="Open connections, and running requests, before 503.")] = 512,
+    max_header_kb: Annotated[int, typer.Option(envvar="MMKV_MAX_HEADER_KB",
+                                               help="Largest request line plus headers (400).")] = 64,
+    shutdown_grace_s: Annotated[float, typer.Option(envvar="MMKV_SHUTDOWN_GRACE_S",
+                                                    help="On SIGTERM, time running requests still get.")] = 10.0,
     allow_image_url_prefix: Annotated[list[str] | None, typer.Option(
         "--allow-image-url-prefix", envvar="MMKV_ALLOW_IMAGE_URL_PREFIX",
         help="Let image_url parts fetch URLs starting with this (e.g. https://img.example.com/ or "
@@ -110,11 +130,10 @@ def serve(
         "uploads, skills and chunk KV. Default: none."))] = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (chat completions, files, models)."""
-    import uvicorn
-
     from mmkv.engine import Engine
-    from mmkv.errors import MMKVError
+    from mmkv.errors import MMKVError, ModelLoadError
     from mmkv.server.app import ServerSettings, create_app
+    from mmkv.server.serve import ConnectionLimits, serve
 
     config = logging_config(log_json, log_level)
     logging.config.dictConfig(config)
@@ -130,9 +149,18 @@ def serve(
         settings = ServerSettings(
             api_keys=tuple(api_key or ()), max_queue=max_queue, max_body_bytes=int(max_body_mb * (1 << 20)),
             file_store_bytes=int(file_store_gb * (1 << 30)), max_images_per_request=max_images_per_request,
+            key_file_bytes=int(key_file_quota_mb * (1 << 20)), key_files=key_file_quota_count,
+            image_threads=image_threads, body_timeout_s=body_timeout_s,
             allowed_image_url_prefixes=tuple(allow_image_url_prefix or ()), default_max_tokens=max_tokens_default)
+        limits = ConnectionLimits(max_connections=max_connections, header_timeout_s=header_timeout_s,
+                                  keep_alive_s=keep_alive_s, max_header_bytes=max_header_kb << 10,
+                                  grace_s=shutdown_grace_s)
     except (MMKVError, AssertionError, ValueError) as exc:
-        typer.echo(f"mmkv serve: {getattr(exc, 'message', None) or exc}", err=True)
+        missing = isinstance(exc, ModelLoadError) and model_dir is not None and not os.path.isdir(model_dir)
+        hint = ("\nmmkv serve: pass MODEL_DIR as a local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint directory "
+                "(config.json, weights, tokenizer) or a hub id in the local cache, or leave it out to serve the "
+                "bundled sample model" if missing else "")
+        typer.echo(f"mmkv serve: {getattr(exc, 'message', None) or exc}{hint}", err=True)
         raise typer.Exit(code=2) from None
     log.info(f"loaded {engine.model_id} in {time.perf_counter() - t0:.1f}s",
              extra={"model": engine.model_id, "load_s": round(time.perf_counter() - t0, 3)})
@@ -144,9 +172,7 @@ def serve(
     if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(f"listening on {host} with no --api-key: anyone who can reach it can use it")
     log.info(f"OpenAI base URL: http://{host}:{port}/v1")
-    # On shutdown, streams still running after 10 s are cut; their generations stop at the next token.
-    uvicorn.run(create_app(engine, settings), host=host, port=port, log_config=config, log_level=log_level.lower(),
-                timeout_graceful_shutdown=10)
+    serve(create_app(engine, settings), host, port, limits, log_config=config, log_level=log_level.lower())
 
 
 from mmkv.vqa_eval.cli import eval_command  # noqa: E402  (its heavy imports happen inside)

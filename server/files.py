@@ -20,11 +20,20 @@ from mmkv.errors import ImageURLNotAllowedError, InvalidImageError, MMKVError, U
 
 
 class FileStoreFullError(MMKVError):
-    """The uploaded-file store is at its byte budget; delete files to make room."""
+    """The uploaded-file store is at its byte budget, all keys together."""
 
     http_status = 507
     error_type = "server_error"
     code = "file_store_full"
+
+
+class FileQuotaError(MMKVError):
+    """This API key holds as many uploaded bytes or files as its quota allows; other keys are
+    unaffected. No Retry-After: only deleting files makes room."""
+
+    http_status = 429
+    error_type = "invalid_request_error"
+    code = "file_quota_exceeded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +41,7 @@ class StoredFile:
     id: str
     tenant: str
     filename: str
-    content_type: str
+    content_type: str  # the decoded image's own type, never the one the client sent
     data: bytes
     created_at: int  # unix seconds
     width: int
@@ -40,22 +49,47 @@ class StoredFile:
     image_tokens: int
 
 
+@dataclass(slots=True)
+class _Usage:
+    files: int = 0
+    nbytes: int = 0
+
+
 class FileStore:
-    """Image bytes per (tenant, id) under one byte budget across tenants.
+    """Image bytes per (tenant, id): one byte budget across tenants (507) and a byte and file
+    quota per tenant (429), so one key cannot fill the store for the others.
 
     Not thread-safe: only the event loop touches it. A file is counted once per tenant that
-    uploaded it.
+    uploaded it. Listing is in upload order.
     """
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, key_bytes: int | None = None, key_files: int | None = None,
+                 durable=None):
         self.max_bytes = max_bytes
+        self.key_bytes = key_bytes or max_bytes
+        self.key_files = key_files or 1 << 62
         self.nbytes = 0
         self._files: dict[tuple[str, str], StoredFile] = {}
+        self._usage: dict[str, _Usage] = {}
+        # mmkv.durable_registry.DurableRegistry (disk / shared tier) or None: files that outlive the
+        # process and that other servers on the same shared tier uploaded (docs/server.md, tiers).
+        self.durable = durable
+        for rec in durable.local("file") if durable is not None else ():
+            self._insert(_stored_from(rec))
 
     def __len__(self) -> int:
         return len(self._files)
 
-    def check_room(self, nbytes: int) -> None:
+    def check_room(self, tenant: str, nbytes: int) -> None:
+        """Raises FileQuotaError (this key is full) or FileStoreFullError (the store is)."""
+        usage = self._usage.get(tenant, _Usage())
+        if usage.files + 1 > self.key_files:
+            raise FileQuotaError(f"this API key already keeps {usage.files} files, its quota; delete files first",
+                                 param="file")
+        if usage.nbytes + nbytes > self.key_bytes:
+            raise FileQuotaError(
+                f"storing {nbytes} more bytes would exceed this API key's quota of {self.key_bytes} bytes "
+                f"({usage.nbytes} used); delete files first", param="file")
         if self.nbytes + nbytes > self.max_bytes:
             raise FileStoreFullError(
                 f"storing {nbytes} more bytes would exceed the file store budget of {self.max_bytes} bytes "
@@ -69,32 +103,66 @@ class FileStore:
         key = (file.tenant, file.id)
         if key in self._files:
             return self._files[key]
-        self.check_room(len(file.data))
-        self._files[key] = file
+        self.check_room(file.tenant, len(file.data))
+        self._insert(file)
+        if self.durable is not None:
+            meta = {"filename": file.filename, "content_type": file.content_type, "created_at": file.created_at,
+                    "width": file.width, "height": file.height, "image_tokens": file.image_tokens}
+            self.durable.put("file", file.tenant, file.id, meta, file.data)
+        return file
+
+    def _insert(self, file: StoredFile) -> None:
+        self._files[(file.tenant, file.id)] = file
         self.nbytes += len(file.data)
+        usage = self._usage.setdefault(file.tenant, _Usage())
+        usage.files += 1
+        usage.nbytes += len(file.data)
+
+    def _fetch(self, tenant: str, file_id: str) -> StoredFile | None:
+        """A file another server put in the shared tier, now kept here too."""
+        rec = self.durable.get("file", tenant, file_id) if self.durable is not None else None
+        if rec is None:
+            return None
+        file = _stored_from(rec)
+        self._insert(file)
         return file
 
     def get(self, tenant: str, file_id: str, param: str = "file_id") -> StoredFile:
         try:
-            return self._files[(tenant, file_id)]
+            return self._files.get((tenant, file_id)) or self._fetch(tenant, file_id) or self._files[(tenant, file_id)]
         except KeyError:
             raise UnknownImageError(f"no file with id {file_id!r}", param=param) from None
 
     def list(self, tenant: str) -> list[StoredFile]:
-        return sorted((f for (t, _), f in self._files.items() if t == tenant), key=lambda f: f.created_at)
+        for file_id in self.durable.shared_ids("file", tenant) if self.durable is not None else ():
+            if (tenant, file_id) not in self._files:
+                self._fetch(tenant, file_id)
+        return [f for (t, _), f in self._files.items() if t == tenant]
 
     def remove(self, tenant: str, file_id: str) -> StoredFile:
         file = self.get(tenant, file_id)
         del self._files[(tenant, file_id)]
+        if self.durable is not None:
+            self.durable.remove("file", tenant, file_id)
         self.nbytes -= len(file.data)
+        usage = self._usage[tenant]
+        usage.files -= 1
+        usage.nbytes -= len(file.data)
+        if not usage.files:
+            del self._usage[tenant]
         return file
 
 
-def new_stored_file(tenant: str, image_id: str, filename: str, content_type: str | None, data: bytes,
+def _stored_from(rec) -> StoredFile:
+    m = rec.meta
+    return StoredFile(id=rec.id, tenant=rec.tenant, filename=m["filename"], content_type=m["content_type"],
+                      data=rec.blob, created_at=m["created_at"], width=m["width"], height=m["height"],
+                      image_tokens=m["image_tokens"])
+
+
+def new_stored_file(tenant: str, image_id: str, filename: str, media_type: str, data: bytes,
                     width: int, height: int, image_tokens: int) -> StoredFile:
-    if not content_type or not content_type.startswith("image/"):
-        content_type = mimetypes.guess_type(filename)[0] or "application/octet-stream"
-    return StoredFile(id=image_id, tenant=tenant, filename=filename, content_type=content_type, data=data,
+    return StoredFile(id=image_id, tenant=tenant, filename=filename, content_type=media_type, data=data,
                       created_at=int(time.time()), width=width, height=height, image_tokens=image_tokens)
 
 

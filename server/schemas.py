@@ -1,15 +1,16 @@
 """The wire format: OpenAI-shaped request and response models, plus the `mmkv` extension object.
 
-The request schema checks the envelope (types, ranges, required fields -> 422). Content parts
-are checked one by one with `parse_content_part`, so a bad part is a 400 naming the part, as the
-OpenAI API answers it.
+The request schema checks the envelope (strict types, ranges, required fields -> 400 naming the
+field); OpenAI fields mmkv does not implement are refused (400 `unsupported_parameter`), never
+ignored. Content parts are checked one by one with `parse_content_part`, so a bad part is a 400
+naming the part, as the OpenAI API answers it.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from mmkv.errors import InvalidRequestError
 
@@ -78,21 +79,67 @@ def parse_content_part(raw: Any, param: str) -> TextPart | ImageURLPart | ImageF
         raise InvalidRequestError(message, param=param) from None
 
 
+# OpenAI's chat-completions request fields that mmkv does not implement, each with the values that
+# mean "off" (accepted, since they ask for nothing); any other value is a 400 naming the field.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (), "response_format": ({"type": "text"},), "audio": (), "modalities": (["text"],),
+    "prediction": (), "reasoning_effort": (), "verbosity": (), "web_search_options": (), "store": (False,),
+    "metadata": (), "service_tier": ("auto", "default"), "prompt_cache_retention": (),
+}
+# Fields that by OpenAI's definition never change the answer (abuse monitoring, cache routing).
+_NO_EFFECT = ("user", "safety_identifier", "prompt_cache_key")
+_MESSAGE_UNSUPPORTED = {"name": (), "tool_calls": ([],), "function_call": (), "refusal": (), "audio": ()}
+_MESSAGE_ROLES = ("system", "developer", "user", "assistant")
+MAX_STOP = 4  # stop strings per request, as OpenAI
+MAX_STOP_CHARS = 256
+INT64 = (-(2**63), 2**63 - 1)
+
+
+class UnsupportedParameterError(InvalidRequestError):
+    """An OpenAI request field mmkv does not implement, set to something other than "off"."""
+
+    code = "unsupported_parameter"
+
+
+def _unsupported(key: str, param: str) -> UnsupportedParameterError:
+    return UnsupportedParameterError(f"{param} is not supported by this server; remove it", param=param)
+
+
+def check_unicode(value: Any, param: str) -> None:
+    """Every string in a decoded JSON value must be valid Unicode: JSON can carry a lone surrogate
+    ("\\udfff") that no encoder, tokenizer or log line accepts. Raises 400 naming where."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequestError(f"{param} is not valid Unicode (it contains a lone surrogate)",
+                                      param=param) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, param or "body")
+            check_unicode(item, f"{param}.{key}" if param else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{param}[{i}]")
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
-    # Parts stay raw here and go through parse_content_part: a bad part is a 400, not a 422.
+    # Parts stay raw here and go through parse_content_part: a bad part is a 400 naming the part.
     content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     include_usage: bool = False
 
 
 class MMKVOptions(BaseModel):
     """mmkv's own knobs; the openai client sends them with extra_body={"mmkv": {...}}."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     reuse: bool = Field(True, description="Splice cached image/prefix KV. False recomputes everything (the reference).")
     seam_tokens: int | None = Field(None, ge=0, description="Tokens recomputed after each spliced chunk.")
@@ -104,8 +151,10 @@ class MMKVOptions(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    # Unknown OpenAI fields (user, logit_bias, ...) are accepted and ignored, as other servers do.
-    model_config = ConfigDict(extra="ignore")
+    """OpenAI's fields, each implemented or refused (400 `unsupported_parameter` naming it); null
+    means unset, as in OpenAI's API. Types are strict: "5" is not an integer, true is not 1."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = ""
     messages: list[ChatMessage] = Field(min_length=1)
@@ -113,17 +162,97 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="Sample from the k most likely tokens; 0 or -1: off (vLLM's extension).")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (decimal string) -> bias in [-100, 100].")
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=20)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = 1
+    seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
+    n: int = Field(1, ge=1, description="Only 1 (more is a 400 unsupported_parameter).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     mmkv: MMKVOptions = Field(default_factory=MMKVOptions)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_what_is_not_implemented(cls, raw: Any) -> Any:
+        """Raises (400) on invalid Unicode anywhere and on fields mmkv does not implement; drops
+        nulls and the fields that never change an answer, so the schema sees only what it checks."""
+        if not isinstance(raw, dict):
+            return raw
+        check_unicode(raw, "")
+        out = {}
+        for key, value in raw.items():
+            if value is None or key in _NO_EFFECT:
+                continue
+            if key in _UNSUPPORTED or key not in cls.model_fields:
+                if _is_off(value, _UNSUPPORTED.get(key, ())):
+                    continue
+                raise _unsupported(key, key)
+            out[key] = value
+        if isinstance(out.get("messages"), list):
+            out["messages"] = [_message(m, f"messages[{i}]") for i, m in enumerate(out["messages"])]
+        return out
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise InvalidRequestError(f"logit_bias key {key!r} is not a token id (a decimal integer string)",
+                                          param="logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise InvalidRequestError(f"logit_bias[{key!r}] = {value} is outside [-100, 100]", param="logit_bias")
+        return bias
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounds(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP:
+            raise InvalidRequestError(f"stop has {len(stops)} strings; at most {MAX_STOP}", param="stop")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise InvalidRequestError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters", param="stop")
+        return stop
+
+    @model_validator(mode="after")
+    def _combinations(self) -> ChatCompletionRequest:
+        if self.n != 1:
+            raise UnsupportedParameterError(f"n={self.n} is not supported; only one choice per request", param="n")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+        return self
 
     def stop_list(self) -> list[str] | None:
         if self.stop is None:
             return None
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+
+
+def _is_off(value: Any, off_values: tuple[Any, ...]) -> bool:
+    return any(type(value) is type(off) and value == off for off in off_values)  # False is off, 0 is not
+
+
+def _message(raw: Any, param: str) -> Any:
+    """One message with its unsupported fields refused and its nulls dropped."""
+    if not isinstance(raw, dict):
+        return raw
+    role = raw.get("role")
+    if role in ("tool", "function"):
+        raise UnsupportedParameterError(f"{param}.role {role!r} is not supported (no tool calling); "
+                                        f"use one of {', '.join(_MESSAGE_ROLES)}", param=f"{param}.role")
+    out = {}
+    for key, value in raw.items():
+        if key in ("role", "content"):
+            out[key] = value
+        elif value is not None and not _is_off(value, _MESSAGE_UNSUPPORTED.get(key, ())):
+            raise _unsupported(key, f"{param}.{key}")
+    return out
 
 
 # ---------------------------------------------------------------- responses
@@ -156,7 +285,13 @@ class MMKVReport(BaseModel):
 
 
 class SkillCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, raw: Any) -> Any:
+        check_unicode(raw, "")
+        return raw
 
     name: str = Field(min_length=1, max_length=256)
     text: str = Field(min_length=1)
@@ -173,6 +308,9 @@ class SkillObject(BaseModel):
 class SkillList(BaseModel):
     object: Literal["list"] = "list"
     data: list[SkillObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
 
 
 class SkillDeleted(BaseModel):
@@ -186,11 +324,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -212,7 +365,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -240,6 +393,9 @@ class FileObject(BaseModel):
 class FileList(BaseModel):
     object: Literal["list"] = "list"
     data: list[FileObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
 
 
 class FileDeleted(BaseModel):

@@ -21,7 +21,7 @@ from PIL import Image
 import mmkv
 from mmkv.server.app import ServerSettings, create_app
 from mmkv.server.auth import AuthenticationError, KeyRing
-from mmkv.server.files import FileStore, FileStoreFullError, new_stored_file
+from mmkv.server.files import FileQuotaError, FileStore, FileStoreFullError, new_stored_file
 from mmkv.server.worker import EngineWorker, JobCancelledError, QueueFullError, WorkerStoppedError
 from mmkv.errors import UnknownImageError
 from test_server import LiveServer, data_url, image_file, png_bytes, text, tiny_dir  # noqa: F401 - fixture
@@ -130,7 +130,8 @@ def test_400_bad_image_bad_part_prompt_too_long(live):
                         files={"file": ("x.png", png_bytes((1, 2, 3)), "image/png")})
     assert_error(upload, 400, "invalid_request", "purpose")
     bad_data = "data:image/png;base64," + base64.b64encode(b"\x89PNG garbage").decode()
-    assert_error(chat(live, user({"type": "image_url", "image_url": {"url": bad_data}})), 400, "invalid_image")
+    assert_error(chat(live, user({"type": "image_url", "image_url": {"url": bad_data}})), 400, "invalid_image",
+                 "messages[0].content[0].image_url.url")
     error = assert_error(chat(live, user({"type": "input_audio", "input_audio": {}})), 400, "invalid_request",
                          "messages[0].content[0]")
     assert "input_audio" in error["message"]
@@ -144,8 +145,9 @@ def test_400_bad_image_bad_part_prompt_too_long(live):
     too_long = chat(live, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000, "stream": True})
     assert_error(too_long, 400, "context_length_exceeded", "messages")
     assert_error(chat(live, {**user({"type": "image_url", "image_url": {"url": bad_data}}), "stream": True}), 400,
-                 "invalid_image")
-    assert_error(chat(live, {"messages": [{"role": "user", "content": "hi"}], "n": 2}), 400, "invalid_request", "n")
+                 "invalid_image", "messages[0].content[0].image_url.url")
+    assert_error(chat(live, {"messages": [{"role": "user", "content": "hi"}], "n": 2}), 400, "unsupported_parameter",
+                 "n")
     image = {"type": "image_url", "image_url": {"url": data_url(png_bytes((9, 9, 9)))}}
     assert_error(chat(live, user(image, image, image)), 400, "invalid_request", "messages[0].content[2]")
     assert_error(chat(live, {"messages": [{"role": "user", "content": "hi"}], "mmkv": {"rope_policy": "sideways"}}),
@@ -225,19 +227,22 @@ def test_507_file_store_full(live):
     assert_still_serving(live)
 
 
-def test_422_schema(live):
-    assert_error(chat(live, {"messages": []}), 422, "invalid_schema", "messages")
-    assert_error(chat(live, {"messages": [{"role": "user", "content": "hi"}], "temperature": 5}), 422,
+def test_400_schema(live):
+    """The envelope's failures are 400s naming the field, as OpenAI answers them (tests/test_server_bad_input.py
+    has the full list)."""
+    assert_error(chat(live, {"messages": []}), 400, "invalid_schema", "messages")
+    assert_error(chat(live, {"messages": [{"role": "user", "content": "hi"}], "temperature": 5}), 400,
                  "invalid_schema", "temperature")
-    assert_error(chat(live, {"messages": [{"role": "robot", "content": "hi"}]}), 422, "invalid_schema",
-                 "messages.0.role")
-    assert_error(chat(live, {"messages": [{"role": "user", "content": "hi"}], "mmkv": {"resue": False}}), 422,
+    assert_error(chat(live, {"messages": [{"role": "robot", "content": "hi"}]}), 400, "invalid_schema",
+                 "messages[0].role")
+    assert_error(chat(live, {"messages": [{"role": "user", "content": "hi"}], "mmkv": {"resue": False}}), 400,
                  "invalid_schema", "mmkv.resue")
     no_file = httpx.post(f"{live.base_url}/v1/files", headers=AUTH, data={"purpose": "vision"})
-    assert_error(no_file, 422, "invalid_schema", "file")
+    assert_error(no_file, 400, "invalid_schema", "file")
     response = httpx.post(f"{live.base_url}/v1/chat/completions", content=b"{not json",
                           headers={**AUTH, "Content-Type": "application/json"})
-    assert response.status_code == 422 and response.json()["error"]["type"] == "invalid_request_error"
+    error = assert_error(response, 400, "invalid_json", None)
+    assert "not valid JSON" in error["message"] and "character 1" in error["message"]
     assert_still_serving(live)
 
 
@@ -437,6 +442,31 @@ def test_file_store_scopes_tenants_and_keeps_its_budget():
     assert store.nbytes == 4 and len(store) == 1
     with pytest.raises(UnknownImageError):
         store.remove("a", "img-1")
+
+
+def test_file_store_quota_per_key():
+    """One key at its quota is refused (429) while another key still uploads; the store's own
+    budget (507) is a separate, later limit."""
+    store = FileStore(max_bytes=100, key_bytes=10, key_files=2)
+
+    def file(tenant, file_id, data):
+        return new_stored_file(tenant, file_id, "a.png", "image/png", data, 1, 1, 1)
+
+    store.add(file("a", "img-1", b"12345678"))
+    with pytest.raises(FileQuotaError) as bytes_over:
+        store.add(file("a", "img-2", b"123"))
+    assert bytes_over.value.http_status == 429 and "quota of 10 bytes" in bytes_over.value.message
+    store.add(file("a", "img-3", b"12"))
+    with pytest.raises(FileQuotaError, match="2 files"):
+        store.add(file("a", "img-4", b"1"))
+    store.add(file("b", "img-2", b"123"))  # the other key is not affected
+    store.remove("a", "img-1")
+    store.add(file("a", "img-4", b"1"))  # deleting made room
+    assert store.nbytes == 6 and [f.id for f in store.list("a")] == ["img-3", "img-4"]
+    full = FileStore(max_bytes=10, key_bytes=8)
+    full.add(file("a", "img-1", b"1234567"))
+    with pytest.raises(FileStoreFullError):
+        full.add(file("b", "img-2", b"1234"))
 
 
 def test_key_ring_tenants():

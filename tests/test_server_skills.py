@@ -90,8 +90,8 @@ def test_edit_policy_erratum_over_http(live):
 
 
 @pytest.mark.parametrize("body,status,code", [
-    ({"name": "x", "text": ""}, 422, None),
-    ({"name": "x"}, 422, None),
+    ({"name": "x", "text": ""}, 400, "invalid_schema"),
+    ({"name": "x"}, 400, "invalid_schema"),
     ({"name": "x", "text": "has <|image_pad|> inside"}, 400, "invalid_request"),
 ])
 def test_bad_skills(live, body, status, code):

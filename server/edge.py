@@ -1,0 +1,92 @@
+"""The pure-ASGI edge every request passes: arrival time, the body's size cap (413) and read
+deadline (408), `X-Content-Type-Options: nosniff` on every response, and the per-route count of
+responses by status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from mmkv.errors import MMKVError
+
+from .errors import BodyTimeoutError, BodyTooLargeError, mmkv_error_response
+from .metrics import ServerMetrics
+
+ARRIVED = "mmkv.arrived"  # scope key: perf_counter() when the request reached the server
+_NOSNIFF = (b"x-content-type-options", b"nosniff")
+
+
+class RequestEdge:
+    def __init__(self, app, max_bytes: int, body_timeout_s: float, metrics: ServerMetrics):
+        self.app, self.max_bytes, self.body_timeout_s, self.metrics = app, max_bytes, body_timeout_s, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        arrived = scope[ARRIVED] = time.perf_counter()
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send, self._too_large())
+            return
+        received, body_done = 0, False
+        abort: MMKVError | None = None  # set when the body broke a limit: that error is the answer
+        status, started = 500, False
+
+        async def guarded_receive():
+            nonlocal received, body_done, abort
+            if body_done:  # only disconnect notices from here on: no deadline
+                return await receive()
+            remaining = arrived + self.body_timeout_s - time.perf_counter()
+            try:
+                message = await asyncio.wait_for(receive(), max(remaining, 0.001))
+            except TimeoutError:
+                abort = BodyTimeoutError(f"the request body did not arrive within {self.body_timeout_s:g} s")
+                raise abort from None
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                abort = self._too_large()
+                raise abort
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def guarded_send(message):
+            nonlocal status, started
+            if abort is not None:  # the app answered a body it could not read: answer the limit, once
+                if message["type"] == "http.response.start" and not started:
+                    started, status = True, abort.http_status
+                    await _close_after(mmkv_error_response(abort))(scope, receive, send)
+                return
+            if message["type"] == "http.response.start":
+                started, status = True, message["status"]
+                message = {**message, "headers": [*message.get("headers", []), _NOSNIFF]}
+            await send(message)
+
+        try:
+            await self.app(scope, guarded_receive, guarded_send)
+        except Exception:
+            if abort is None or started:
+                raise
+            status = abort.http_status
+            await _close_after(mmkv_error_response(abort))(scope, receive, send)
+        finally:
+            self.metrics.observe_request(_endpoint(scope), status)
+
+    def _too_large(self) -> BodyTooLargeError:
+        return BodyTooLargeError(f"request body is larger than {self.max_bytes} bytes")
+
+    async def _refuse(self, scope, receive, send, error: MMKVError) -> None:
+        await _close_after(mmkv_error_response(error))(scope, receive, send)
+        self.metrics.observe_request(_endpoint(scope), error.http_status)
+
+
+def _close_after(response):
+    """The rest of the body is never read: the connection cannot carry another request."""
+    response.headers["Connection"] = "close"
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    return response
+
+
+def _endpoint(scope) -> str:
+    route = scope.get("route")
+    return getattr(route, "path", None) or "unmatched"

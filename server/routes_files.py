@@ -1,0 +1,89 @@
+"""/v1/files: upload an image once (decoded off the engine worker, precompiled on it), list its
+files page by page, serve the bytes back safely, delete it and everything derived from it."""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
+from fastapi.responses import Response
+
+from mmkv.errors import InvalidImageError, InvalidRequestError, UnknownImageError
+
+from .context import ServerContext
+from .files import FileQuotaError, FileStoreFullError, StoredFile, new_stored_file
+from .pagination import PageQuery, page_query, paginate
+from .schemas import FileDeleted, FileList, FileObject
+
+
+def files_router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter()
+    files = ctx.files
+
+    @router.post("/v1/files", response_model=FileObject)
+    async def upload_file(request: Request, file: UploadFile = File(...), purpose: str = Form("vision"),
+                          tenant: str = Depends(ctx.tenant_of)) -> FileObject:
+        """Store an image, decode and check it, and precompile its KV. Same bytes, same id."""
+        if purpose != "vision":
+            raise InvalidRequestError(f"purpose must be 'vision', got {purpose!r}", param="purpose")
+        data = await file.read()
+        if not data:
+            raise InvalidImageError("the uploaded file is empty", param="file")
+        files.check_room(tenant, len(data))
+        upload = await ctx.images.prepare_upload(data, "file")
+
+        def add(engine, _should_stop):
+            image_id = engine.add_image(upload.image, tenant=tenant)
+            return image_id, engine.image_info(image_id, tenant=tenant)
+
+        (image_id, info), _ = await ctx.run_job(request, add)
+        stored = new_stored_file(tenant, image_id, file.filename or "image", upload.media_type, data,
+                                 info.width, info.height, info.image_tokens)
+        if files.has(tenant, image_id):
+            return _file_object(files.get(tenant, image_id))
+        try:
+            stored = files.add(stored)
+        except (FileStoreFullError, FileQuotaError):  # a concurrent upload took the room: undo
+            await ctx.run_job(request, lambda engine, _: engine.remove_image(image_id, tenant=tenant))
+            raise
+        return _file_object(stored)
+
+    @router.get("/v1/files", response_model=FileList)
+    async def list_files(page: PageQuery = Depends(page_query), purpose: str | None = None,
+                         tenant: str = Depends(ctx.tenant_of)) -> FileList:
+        """This key's files, newest first by default; OpenAI's cursor pagination."""
+        listed = files.list(tenant) if purpose in (None, "vision") else []
+        p = paginate(listed, lambda f: f.id, page)
+        return FileList(data=[_file_object(f) for f in p.items], first_id=p.first_id, last_id=p.last_id,
+                        has_more=p.has_more)
+
+    @router.get("/v1/files/{file_id}", response_model=FileObject)
+    async def get_file(file_id: str, tenant: str = Depends(ctx.tenant_of)) -> FileObject:
+        return _file_object(files.get(tenant, file_id))
+
+    @router.get("/v1/files/{file_id}/content", response_class=Response)
+    async def get_file_content(file_id: str, tenant: str = Depends(ctx.tenant_of)) -> Response:
+        """The uploaded bytes, as the image type they decoded as, as a download: never rendered
+        as a page of the API's origin, whatever the client claimed at upload."""
+        stored = files.get(tenant, file_id)
+        return Response(stored.data, media_type=stored.content_type, headers={
+            "Content-Disposition": f"attachment; filename*=UTF-8''{quote(stored.filename, safe='')}",
+            "X-Content-Type-Options": "nosniff"})
+
+    @router.delete("/v1/files/{file_id}", response_model=FileDeleted)
+    async def delete_file(request: Request, file_id: str, tenant: str = Depends(ctx.tenant_of)) -> FileDeleted:
+        """Drop the bytes, the image and every cached entry derived from it."""
+        files.get(tenant, file_id)
+        try:
+            await ctx.run_job(request, lambda engine, _: engine.remove_image(file_id, tenant=tenant))
+        except UnknownImageError:
+            pass  # the engine no longer has it; the bytes still go
+        files.remove(tenant, file_id)
+        return FileDeleted(id=file_id)
+
+    return router
+
+
+def _file_object(f: StoredFile) -> FileObject:
+    return FileObject(id=f.id, bytes=len(f.data), created_at=f.created_at, filename=f.filename, purpose="vision",
+                      width=f.width, height=f.height, image_tokens=f.image_tokens)

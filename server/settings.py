@@ -1,0 +1,30 @@
+"""The server's limits, one frozen dataclass; `mmkv serve` fills it from flags (docs/server.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    api_keys: tuple[str, ...] = ()
+    max_queue: int = 64  # engine jobs waiting before new ones get 429
+    max_body_bytes: int = 32 << 20  # any request body, uploads and data: URLs included (413 above)
+    body_timeout_s: float = 60.0  # a request body must arrive within this, from the first byte (408)
+    file_store_bytes: int = 2 << 30  # uploaded image bytes kept, all tenants together (507)
+    key_file_bytes: int = 512 << 20  # uploaded bytes one API key may keep (429 file_quota_exceeded)
+    key_files: int = 10_000  # uploaded files one API key may keep
+    max_images_per_request: int = 16
+    image_threads: int = 2  # threads decoding and resizing images before their job is queued
+    max_pending_images: int = 64  # images waiting for those threads before new ones get 429
+    allowed_image_url_prefixes: tuple[str, ...] = ()  # e.g. "https://images.example.com/", "file:///srv/img/"
+    default_max_tokens: int = 512
+
+    def __post_init__(self):
+        assert self.max_queue >= 1, "max_queue must be at least 1"
+        assert self.max_body_bytes > 0 and self.file_store_bytes > 0, "byte limits must be positive"
+        assert self.key_file_bytes > 0 and self.key_files > 0, "per-key quotas must be positive"
+        assert self.body_timeout_s > 0, "body_timeout_s must be positive"
+        assert self.max_images_per_request >= 0, "max_images_per_request must be >= 0"
+        assert self.image_threads >= 1 and self.max_pending_images >= 1, "image_threads and max_pending_images >= 1"
+        assert self.default_max_tokens >= 1, "the default max_tokens must be at least 1"
