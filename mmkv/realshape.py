@@ -248,6 +248,59 @@ def real_config(family: str, rope_parameters: dict | None = None, initializer_ra
                initializer_range=initializer_range)
 
 
+ARCHITECTURES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                 "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+
+
+def released_config_json(family: str, rope_parameters: dict | None = None, initializer_range: float = 0.02) -> dict:
+    """config.json spelled as the released checkpoint spells it (transformers 4.x): Qwen2/2.5-VL flat,
+    with `rope_scaling` {"type": "mrope", ...}; Qwen3-VL nested, with `rope_scaling` in text_config.
+    transformers 5 converts both on load, as it does for a downloaded checkpoint."""
+    spec = RELEASED[family]
+    rope = dict(rope_parameters or spec.text["rope_parameters"])
+    theta, rope_type = rope.pop("rope_theta"), rope.pop("rope_type")
+    text = {k: v for k, v in spec.text.items() if k != "rope_parameters"}
+    text.update(rope_theta=theta, initializer_range=initializer_range)
+    vision = dict(spec.vision, initializer_range=initializer_range)
+    out = {"architectures": [ARCHITECTURES[family]], "model_type": family, "torch_dtype": "bfloat16",
+           "image_token_id": SPECIAL_IDS["<|image_pad|>"], "video_token_id": SPECIAL_IDS["<|video_pad|>"],
+           "vision_start_token_id": SPECIAL_IDS["<|vision_start|>"],
+           "vision_end_token_id": SPECIAL_IDS["<|vision_end|>"], "tie_word_embeddings": spec.tie_word_embeddings}
+    if family == "qwen3_vl":
+        text.update(model_type="qwen3_vl_text", rope_scaling={"rope_type": rope_type, **rope})
+        return {**out, "text_config": text, "vision_config": {**vision, "model_type": "qwen3_vl"},
+                "transformers_version": "4.57.0.dev0"}
+    scaling = {"type": "mrope" if rope_type == "default" else rope_type, **rope}
+    return {**out, **text, "rope_scaling": scaling, "vision_config": vision, "initializer_range": initializer_range,
+            "vision_token_id": SPECIAL_IDS["<|vision_pad|>"], "transformers_version": "4.49.0"}
+
+
+def _released_weight_name(family: str, name: str) -> str:
+    """Qwen2/2.5-VL were released before transformers nested the LM and the vision tower:
+    model.layers.*, visual.*; Qwen3-VL's names are transformers 5's own."""
+    if family == "qwen3_vl":
+        return name
+    if name.startswith("model.language_model."):
+        return "model." + name.removeprefix("model.language_model.")
+    if name.startswith("model.visual."):
+        return name.removeprefix("model.")
+    return name
+
+
+def _respell_as_released(family: str, snapshot: Path, config: dict) -> None:
+    from safetensors.torch import load_file, save_file
+
+    index_path = snapshot / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(snapshot / shard)
+        save_file({_released_weight_name(family, k): v for k, v in tensors.items()}, snapshot / shard,
+                  metadata={"format": "pt"})
+    index["weight_map"] = {_released_weight_name(family, k): v for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    (snapshot / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def _fake_revision(family: str, rope_parameters: dict | None, seed: int) -> str:
     return hashlib.sha1(f"mmkv-realshape|{family}|{rope_parameters}|{seed}".encode()).hexdigest()
 
@@ -270,8 +323,8 @@ def save_real_checkpoint(family: str, hub_cache: str | Path, *, seed: int = 0, r
                          rope_parameters: dict | None = None, initializer_range: float = 0.02,
                          max_shard_size: str = "64MB", tokenizer=None) -> Path:
     """Write a random-weight checkpoint of `family` into `hub_cache` as the hub would, under
-    `repo_id` (default: the released repo it mirrors), in bfloat16 as released. Returns the
-    snapshot directory."""
+    `repo_id` (default: the released repo it mirrors), in bfloat16, with config.json and weight
+    names spelled as released. Returns the snapshot directory."""
     from transformers import AutoModelForImageTextToText
 
     spec = RELEASED[family]
@@ -287,6 +340,7 @@ def save_real_checkpoint(family: str, hub_cache: str | Path, *, seed: int = 0, r
     model.generation_config.pad_token_id = SPECIAL_IDS["<|endoftext|>"]
     model.generation_config.bos_token_id = SPECIAL_IDS["<|endoftext|>"]
     model.save_pretrained(snapshot, max_shard_size=max_shard_size)
+    _respell_as_released(family, snapshot, released_config_json(family, rope_parameters, initializer_range))
     build_processor(family, tokenizer).save_pretrained(snapshot)
     _move_into_blobs(repo_dir, snapshot)
     (repo_dir / "refs").mkdir(exist_ok=True)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import base64
 import copy
 import io
+import json
 import os
 
 import pytest
 import torch
 from PIL import Image
+from safetensors import safe_open
 from typer.testing import CliRunner
 
 from mmkv import Engine
@@ -161,6 +163,35 @@ def test_hub_layout_and_released_settings(hub, engines):
             spec.tie_word_embeddings
     assert engines["qwen2_5_vl"].adapter.config.vision_config.fullatt_block_indexes == [1, 3]
     assert engines["qwen3_vl"].adapter.config.vision_config.deepstack_visual_indexes == [1, 2, 3]
+
+
+def _loaded_name(family: str, released: str) -> str:
+    """transformers 5's name for a weight as the released checkpoint spells it."""
+    if family != "qwen3_vl" and released.startswith("visual."):
+        return "model." + released
+    if family != "qwen3_vl" and released.startswith("model."):
+        return "model.language_model." + released.removeprefix("model.")
+    return released
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_released_config_and_weight_names_load_every_tensor(engines, family):
+    """config.json and the weight names are spelled as released (transformers 4.x for Qwen2/2.5-VL);
+    every stored tensor must arrive in the loaded model, none left to random init."""
+    snapshot = resolve_model(RELEASED[family].repo_id).path
+    config = json.loads((snapshot / "config.json").read_text())
+    weight_map = json.loads((snapshot / "model.safetensors.index.json").read_text())["weight_map"]
+    loaded = engines[family].adapter.model.state_dict()
+    if family == "qwen3_vl":
+        assert "rope_scaling" in config["text_config"] and "model.language_model.embed_tokens.weight" in weight_map
+    else:
+        assert config["rope_scaling"]["type"] == "mrope" and "model.embed_tokens.weight" in weight_map
+        assert "visual.blocks.0.attn.qkv.weight" in weight_map
+    assert ("lm_head.weight" in weight_map) != RELEASED[family].tie_word_embeddings
+    for name, shard in weight_map.items():
+        with safe_open(snapshot / shard, "pt") as f:
+            assert torch.equal(loaded[_loaded_name(family, name)].to(torch.bfloat16), f.get_tensor(name)), name
+    assert len({_loaded_name(family, n) for n in weight_map}) == len(weight_map)
 
 
 # ---- conformance against transformers' processor ------------------------------------------------------
