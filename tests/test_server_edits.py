@@ -48,9 +48,21 @@ def _edit_report(status, body) -> dict:
 def test_policies_on_new_questions_and_field_edits_answer(server, stream):
     live, _ = server
     url = "data:image/png;base64," + base64.b64encode(make_png(70, 56, seed=5)).decode()
-    system = {"role": "system", "content": "you answer questions about shapes .\norder_status: pending\n" * 3}
+    for policy in ("erratum", "in_place", "selective@2"):
+        for messages, detected in _asks(url, f"{policy} {stream}"):
+            body = {"model": "m", "messages": messages, "max_tokens": 3, "temperature": 0, "stream": stream,
+                    "mmkv": {"edit_policy": policy}}
+            edit = _edit_report(*_post(live.base_url, body))
+            assert edit["detected"] is detected and edit["applied"] in (policy, "recompute"), (policy, edit)
+            assert edit["applied"] == policy or edit["reason"], edit
+
+
+def _asks(url: str, chat: str) -> list[tuple[list[dict], bool]]:
+    """New questions, the same image asked again, then a real field edit (the last one)."""
+    system = {"role": "system", "content": f"chat {chat} .\n" + "you answer questions about shapes .\n"
+                                           "order_status: pending\n" * 3}
     edited = {"role": "system", "content": system["content"].replace("pending", "shipped", 1)}
-    asks = [
+    return [
         ([system, {"role": "user", "content": "what color is the sky ?"}], False),
         ([system, {"role": "user", "content": "is the red shape left of the blue shape ?"}], False),
         ([system, {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
@@ -60,13 +72,6 @@ def test_policies_on_new_questions_and_field_edits_answer(server, stream):
         ([edited, {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                {"type": "text", "text": "what shape ?"}]}], True),
     ]
-    for policy in ("erratum", "in_place", "selective@2"):
-        for messages, detected in asks:
-            body = {"model": "m", "messages": messages, "max_tokens": 3, "temperature": 0, "stream": stream,
-                    "mmkv": {"edit_policy": policy}}
-            edit = _edit_report(*_post(live.base_url, body))
-            assert edit["detected"] is detected and edit["applied"] in (policy, "recompute"), (policy, edit)
-            assert edit["applied"] == policy or edit["reason"], edit
 
 
 @pytest.mark.parametrize("stream", [False, True])
