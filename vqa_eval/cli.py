@@ -1,4 +1,5 @@
-"""`mmkv eval`: the VQA agreement evaluation from the command line (registered in mmkv/cli.py)."""
+"""`mmkv eval`: the VQA agreement evaluation, its stress grid and the errata task (registered in
+mmkv/cli.py)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,33 @@ from typing import Annotated
 
 import typer
 
+TASKS = ("agreement", "errata")
+
+
+def _split(values: list[str] | None) -> list[str]:
+    return [v.strip() for group in (values or []) for v in group.split(",") if v.strip()]
+
 
 def eval_command(
     model_dir: Annotated[Path | None, typer.Argument(
         show_default=False, help="Local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint dir. Default: the bundled model.")] = None,
+    task: Annotated[str, typer.Option(help="agreement (splice vs full recompute) or errata (edit policies).")]
+    = "agreement",
+    grid: Annotated[bool, typer.Option("--grid", help="agreement task: the stress grid instead of the main run.")]
+    = False,
     set_dir: Annotated[Path | None, typer.Option("--set", help="VQA set dir. Default: samples/vqa.")] = None,
     arms: Annotated[list[str] | None, typer.Option(
-        "--arms", help="Arms to run (repeat or comma-separate); `full` always runs. Default: all.")] = None,
+        "--arms", help="Arms to run (repeat or comma-separate); the reference always runs. Default: all.")] = None,
     limit: Annotated[int, typer.Option(help="Items, round-robin over question types; 0 = all.")] = 0,
-    seed: Annotated[int, typer.Option(help="Seeds the conversations, arm order and bootstrap.")] = 0,
-    out: Annotated[Path, typer.Option(help="Where report.json, report.md and agreement.png go.")] = Path("eval-out"),
+    seed: Annotated[int, typer.Option(help="First conversation seed; also seeds arm order and bootstrap.")] = 0,
+    seeds: Annotated[int, typer.Option(help="Conversation seeds per item (seed .. seed+seeds-1). Default 6: "
+                                            "360 items x 6 = 2160 paired requests.")] = 6,
+    layout: Annotated[str, typer.Option(help="new_chat (later request in a new chat) or continue (it continues "
+                                             "the earlier chat).")] = "new_chat",
+    decomposition: Annotated[bool, typer.Option(help="Run the block-masked oracles for the error "
+                                                     "decomposition.")] = True,
+    k: Annotated[list[str] | None, typer.Option("--k", help="errata: K values for selective@K.")] = None,
+    out: Annotated[Path, typer.Option(help="Where report.json, report.md and the plot go.")] = Path("eval-out"),
     max_new_tokens: Annotated[int, typer.Option(help="Greedy answer length cap.")] = 6,
     device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1, ...")] = None,
     dtype: Annotated[str | None, typer.Option(help="float32, bfloat16, float16.")] = None,
@@ -24,25 +42,48 @@ def eval_command(
                                               "shared CPU run fastest on 1.")] = 0,
     anchor: Annotated[str, typer.Option(help="Precompile chunks after the chat template's default header "
                                              "(system) or alone (none): run both to choose for your model.")] = "system",
+    compare: Annotated[list[Path] | None, typer.Option(
+        "--compare", help="Two report.json of the same items and seeds (two models): exact McNemar per arm, "
+                          "no model run.")] = None,
 ) -> None:
-    """How often does the fast path answer exactly like a full recompute? Agreement per arm."""
+    """How often does the fast path answer exactly like a full recompute? Exact intervals per arm."""
     from mmkv.engine import Engine
     from mmkv.errors import MMKVError
-    from mmkv.vqa_eval.run import run_eval
 
     if threads:
         import torch
 
         torch.set_num_threads(threads)
-    names = [a.strip() for group in (arms or []) for a in group.split(",") if a.strip()]
     try:
+        if compare:
+            from mmkv.vqa_eval.compare import compare_reports
+
+            typer.echo(compare_reports(*compare))
+            return
+        if task not in TASKS:
+            raise ValueError(f"--task must be one of {', '.join(TASKS)}")
         engine = Engine.from_pretrained(model_dir, dtype=dtype, device=device, anchor=anchor)
-        report = run_eval(model_dir, set_dir, names or None, limit or None, seed, out, max_new_tokens, engine=engine)
+        common = dict(set_dir=set_dir, limit=limit or None, seed=seed, out=out, max_new_tokens=max_new_tokens,
+                      engine=engine)
+        if task == "errata":
+            from mmkv.vqa_eval.errata import run_errata
+
+            ks = [int(x) for x in _split(k)] or None
+            report = run_errata(model_dir, ks=ks, seeds=seeds, **common)
+        elif grid:
+            from mmkv.vqa_eval.grid import run_grid
+
+            report = run_grid(model_dir, arms=_split(arms) or None, seeds=seeds, **common)
+        else:
+            from mmkv.vqa_eval.run import run_eval
+
+            report = run_eval(model_dir, arms=_split(arms) or None, seeds=seeds, layout=layout,
+                              decomposition=decomposition, **common)
     except (MMKVError, ValueError, FileNotFoundError) as exc:
         typer.echo(f"mmkv eval: {getattr(exc, 'message', None) or exc}", err=True)
         raise typer.Exit(code=2) from None
     typer.echo((out / "report.md").read_text())
-    typer.echo(f"wrote {out}/report.json, report.md, agreement.png ({report['wall_s']:.0f}s)")
+    typer.echo(f"wrote {out}/report.json, report.md and the plot ({report['wall_s']:.0f}s)")
 
 
 app = typer.Typer(add_completion=False)

@@ -5,11 +5,16 @@ system turn, earlier user turns (another item's image and question) with their a
 item's image and question in the last user turn.
 
 * `earlier`: the request in which the image was uploaded, after 0-2 earlier turns;
-* `later`: the same image and question asked again in the same chat app (same system turn) after
-  1-3 *different* earlier turns, so the image sits at another position after other text.
+* `later`: the same image and question asked again after 1-3 *different* earlier turns, so the
+  image sits at another position after other text. Two layouts:
+  - `new_chat`: a new chat of the same app (same system turn) — exact-prefix reuse can only
+    share the header with `earlier`;
+  - `continue`: the same chat continued — `earlier` (with its answer) is a prefix of `later`,
+    so exact-prefix reuse gets its fair share; the image appears twice.
 
-The `prefix` arm reuses `earlier`'s KV for the longest common token prefix of the two prompts;
-the splice arms reuse the image's cached KV wherever it lands.
+Every arm is served `earlier` first and then measured on `later` (vqa_eval/run.py), so every arm
+sees the same cross-request state. A `Shape` sets the counts and the stress-grid variations
+(vqa_eval/grid.py).
 """
 
 from __future__ import annotations
@@ -25,11 +30,31 @@ SYSTEM_PROMPTS = (
     "You are a helpful assistant. Answer with one word.",
     "you look at images and answer each question with one word .",
 )
+#: A long text-only turn for the stress grid (about 60 tokens; the models answer it with a word).
+TEXT_GAP = ("policy : refund only if the status light is green . otherwise escalate . the customer asks for a "
+            "refund . answer refund or escalate . " * 2).strip()
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How a conversation is drawn. Defaults: the training layout."""
+
+    earlier: tuple[int, int] = (0, 2)  # filler turns before the item in `earlier` (inclusive range)
+    later: tuple[int, int] = (1, 3)  # filler turns before the item in `later`
+    layout: str = "new_chat"  # or "continue"
+    text_gaps: int = 0  # long text-only turns just before the asked turn in `later`
+    image_twice: bool = False  # `later` opens with the item's image asked and answered once
+    two_images: bool = False  # the asked turn shows another image first, then the item's
+    systems: tuple[str, ...] = SYSTEM_PROMPTS
+
+    def __post_init__(self):
+        assert self.layout in ("new_chat", "continue"), self.layout
+        assert 0 <= self.earlier[0] <= self.earlier[1] and 0 <= self.later[0] <= self.later[1]
 
 
 @dataclass(frozen=True)
 class Turn:
-    image: str  # path
+    images: tuple[str, ...]  # paths, shown before the text
     question: str
     answer: str | None  # None for the turn being asked
 
@@ -37,33 +62,45 @@ class Turn:
 @dataclass(frozen=True)
 class Conversation:
     item: VQAItem
+    seed: int
     system: str
     earlier: tuple[Turn, ...]  # ends with the item's turn
-    later: tuple[Turn, ...]  # ends with the item's turn, after other earlier turns
+    later: tuple[Turn, ...]  # ends with the item's turn
 
     @property
     def images(self) -> list[str]:
-        return list(dict.fromkeys(t.image for t in (*self.earlier, *self.later)))
+        return list(dict.fromkeys(p for t in (*self.earlier, *self.later) for p in t.images))
+
+    @property
+    def key(self) -> str:
+        return f"{self.seed}/{self.item.id}"
 
 
-def build_conversation(item: VQAItem, pool: Sequence[VQAItem], seed: int) -> Conversation:
-    """The item's two requests; earlier turns are other items of `pool` with their true answers."""
+def build_conversation(item: VQAItem, pool: Sequence[VQAItem], seed: int, shape: Shape = Shape()) -> Conversation:
+    """The item's two requests; filler turns are other items of `pool` with their true answers."""
     rng = random.Random(f"vqa-agreement-{seed}-{item.id}")
     others = [p for p in pool if p.image != item.image]
-    n_earlier, n_later = rng.randint(0, 2), rng.randint(1, 3)
-    fillers = rng.sample(others, min(n_earlier + n_later, len(others)))
-    ask = Turn(item.image, item.question, None)
-    earlier = tuple(Turn(f.image, f.question, f.answer) for f in fillers[:n_earlier]) + (ask,)
-    later = tuple(Turn(f.image, f.question, f.answer) for f in fillers[n_earlier:]) + (ask,)
-    return Conversation(item, rng.choice(SYSTEM_PROMPTS), earlier, later)
+    n_earlier, n_later = rng.randint(*shape.earlier), rng.randint(*shape.later)
+    fillers = rng.sample(others, min(n_earlier + n_later + shape.two_images, len(others)))
+    system = rng.choice(shape.systems)
+    turn = lambda f: Turn((f.image,), f.question, f.answer)  # noqa: E731
+    ask = Turn((fillers[-1].image, item.image) if shape.two_images else (item.image,), item.question, None)
+    earlier = tuple(turn(f) for f in fillers[:n_earlier]) + (Turn((item.image,), item.question, None),)
+    later = tuple(turn(f) for f in fillers[n_earlier:n_earlier + n_later])
+    if shape.image_twice:
+        later = (Turn((item.image,), item.question, item.answer),) + later
+    later += tuple(Turn((), TEXT_GAP, "escalate") for _ in range(shape.text_gaps)) + (ask,)
+    if shape.layout == "continue":
+        later = earlier[:-1] + (Turn((item.image,), item.question, item.answer),) + later
+    return Conversation(item, seed, system, earlier, later)
 
 
 def to_messages(system: str, turns: Sequence[Turn], file_ids: dict[str, str]) -> list[dict]:
     """OpenAI-shaped messages; `file_ids` maps an image path to the engine's image id."""
     msgs: list[dict] = [{"role": "system", "content": [{"type": "text", "text": system}]}]
     for t in turns:
-        msgs.append({"role": "user", "content": [{"type": "image_file", "image_file": {"file_id": file_ids[t.image]}},
-                                                 {"type": "text", "text": t.question}]})
+        parts = [{"type": "image_file", "image_file": {"file_id": file_ids[p]}} for p in t.images]
+        msgs.append({"role": "user", "content": parts + [{"type": "text", "text": t.question}]})
         if t.answer is not None:
             msgs.append({"role": "assistant", "content": [{"type": "text", "text": t.answer}]})
     return msgs

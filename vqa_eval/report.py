@@ -1,0 +1,254 @@
+"""report.md and agreement.png of an agreement run (vqa_eval/run.py): exact intervals, the
+verdict, per-type flips with their direction, the error decomposition, the floors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from mmkv.vqa_eval.dataset import TYPES
+
+
+def rate(e: dict, digits: int = 3) -> str:
+    """k/n value [exact 95% interval]."""
+    return f"{e['k']}/{e['n']} {e['value']:.{digits}f} [{e['low']:.{digits}f}, {e['high']:.{digits}f}]"
+
+
+def _g(x, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}g}"
+
+
+def setup_line(report: dict) -> str:
+    m, ck = report["machine"], report.get("checkpoint")
+    return (f"{report['model']}; set {Path(report['set']).name}; reference `{report['reference']}`; greedy, max "
+            f"{report['max_new_tokens']} new tokens; {m['device']} {m['dtype']}, {m['threads']} threads"
+            + (f"; checkpoint {ck['steps']} steps" if ck else "") + ".")
+
+
+def agreement_table(s: dict, names: list[str], controls: list[str]) -> list[str]:
+    lines = ["| arm | agreement k/n [exact 95%] | one-sided 95% lower bound (exact / item-clustered) "
+             f"| verdict >= {next(iter(s.values()))['verdict']['target']} | accuracy | McNemar vs splice-k1 "
+             "(only arm / only k1, p) | TTFT / full (median) | cached tokens / req | LM tokens / req |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        o, v = s[name], s[name]["verdict"]
+        mc = o.get("mcnemar_vs_splice-k1")
+        mcs = f"{mc['only_a']} / {mc['only_b']}, p={mc['p']:.2g}" if mc else "-"
+        verdict = "reference" if name == "full" else ("PASS" if v["passed"] else "not shown")
+        label = f"{name} (control)" if name in controls else name
+        lines.append(f"| {label} | {rate(o['agreement'])} | {v['exact_lower']:.4f} / {v['cluster_lower']:.4f} | "
+                     f"{verdict} | {rate(o['accuracy'])} | {mcs} | {o['ttft_ratio_median']:.2f} | "
+                     f"{o['cached_tokens']:.1f} | {o['lm_tokens_computed']:.1f} |")
+    return lines
+
+
+def per_type_table(s: dict, names: list[str]) -> list[str]:
+    fast = [n for n in names if n != "full"]
+    types = [t for t in TYPES if t in s[fast[0]]["by_type"]] if fast else []
+    lines = ["| type | " + " | ".join(fast) + " |", "|---|" + "---|" * len(fast)]
+    for t in types:
+        lines.append(f"| {t} | " + " | ".join(rate(s[n]["by_type"][t]) for n in fast) + " |")
+    return lines
+
+
+def flip_lines(s: dict, names: list[str], controls: list[str]) -> list[str]:
+    lines = []
+    for name in [n for n in names if n != "full" and n not in controls]:
+        parts = []
+        for t, e in s[name]["by_type"].items():
+            if not e["flips"]:
+                continue
+            dirs = ", ".join(f"{d} x{c}" for d, c in e["by_direction"].items())
+            sign = (f"; down {e['down']} / up {e['up']} (one step down {e['one_step_down']}), sign test "
+                    f"p={e['sign_p']:.2g}" if "down" in e else "")
+            parts.append(f"{t} {e['flips']}: {dirs}{sign}")
+        lines.append(f"- `{name}`: " + ("; ".join(parts) if parts else "no flips"))
+    return lines
+
+
+def decomposition_table(s: dict, names: list[str]) -> list[str]:
+    lines = ["| arm | KL answer set mean / max | median margin change | median log p(answer) change | "
+             "median abs rotation | median abs isolation | rotation share | flips: mean rotation / isolation |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        d = s[name].get("decomposition")
+        if not d:
+            continue
+        lines.append(f"| {name} | {_g(d['kl_answer_set_mean'])} / {_g(d['kl_answer_set_max'])} | "
+                     f"{_g(d['margin_change_median'])} | {_g(d['answer_logprob_change_median'])} | "
+                     f"{_g(d.get('rotation_abs_median'))} | {_g(d.get('isolation_abs_median'))} | "
+                     f"{_g(d.get('rotation_share'))} | {_g(d.get('flips_rotation_mean'))} / "
+                     f"{_g(d.get('flips_isolation_mean'))} |")
+    return lines
+
+
+def margin_table(s: dict, names: list[str]) -> list[str]:
+    fast = [n for n in names if s[n].get("decomposition")]
+    if not fast:
+        return []
+    bins = s[fast[0]]["decomposition"]["flip_rate_by_margin"]
+    lines = ["| full's top-2 margin | n | " + " | ".join(f"{n} flips" for n in fast) + " |",
+             "|---|---|" + "---|" * len(fast)]
+    for i, b in enumerate(bins):
+        lo, hi = b["margin"]
+        cells = [s[n]["decomposition"]["flip_rate_by_margin"][i] for n in fast]
+        lines.append(f"| [{lo:g}, {hi:g}) | {b['n']} | " + " | ".join(
+            f"{c['k']} [{c['low']:.3f}, {c['high']:.3f}]" if c["n"] else "-" for c in cells) + " |")
+    return lines
+
+
+def markdown(report: dict) -> str:
+    s, names, controls = report["summary"], list(report["summary"]), report.get("controls", [])
+    f = report["floors"]
+    lines = [f"# VQA agreement: {report['model']}", "",
+             f"n = {report['n']} paired requests: {report['items']} items x conversation seeds "
+             f"{report['seeds'][0]}-{report['seeds'][-1]}, layout `{report['layout']}`. " + setup_line(report), "",
+             "Intervals are exact (Clopper-Pearson) 95%. Verdict: PASS when the exact one-sided 95% lower bound "
+             f"of agreement and the item-clustered bootstrap lower bound are both >= {report['target']}. "
+             f"Floors (need no image, from full's answers): image-blind {f['image_blind']:.3f}, "
+             f"shuffled-image {f['shuffled_image']:.3f}.", ""]
+    lines += agreement_table(s, names, controls)
+    lines += ["", "## Agreement by question type (k/n [exact 95%])", ""] + per_type_table(s, names)
+    lines += ["", "## Flips (full's answer -> arm's answer)", ""] + flip_lines(s, names, controls)
+    if any(s[n].get("decomposition") for n in names):
+        lines += ["", "## Error decomposition (first answer token; margin units are logits)", "",
+                  "rotation = margin(arm) - margin(block-masked oracle at native positions); isolation = "
+                  "margin(oracle) - margin(full); they sum to the arm's margin change.", ""]
+        lines += decomposition_table(s, names)
+        lines += ["", "### First-token flips by full's top-2 margin (count [exact 95% rate])", ""]
+        lines += margin_table(s, names)
+    lines += ["", "TTFT on these tiny models is dominated by per-request overhead (tokenising, planning, "
+              "Python), not by prefill: the ratio shows no speed-up here and says nothing about large models.",
+              "", "Arms: " + "; ".join(f"`{n}` {m}" for n, m in report["arms"].items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    """Disagreement counts with exact intervals, floors as bands, controls in another colour, per-type
+    small multiples, TTFT as a ratio to full."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s, controls = report["summary"], report.get("controls", [])
+    names = [n for n in s if n != "full"]
+    types = list(s[names[0]]["by_type"]) if names else []
+    fig = plt.figure(figsize=(14, 8))
+    grid = fig.add_gridspec(2, max(len(types), 1) + 2)
+    ax = fig.add_subplot(grid[0, : len(types) // 2 + 1])
+    colours = ["#c44e52" if n in controls else "#4c72b0" for n in names]
+    n = report["n"]
+    dis = np.array([n - s[a]["agreement"]["k"] for a in names])
+    err = np.array([[d - n * (1 - s[a]["agreement"]["high"]) for a, d in zip(names, dis)],
+                    [n * (1 - s[a]["agreement"]["low"]) - d for a, d in zip(names, dis)]])
+    x = np.arange(len(names))
+    ax.bar(x, dis, yerr=err, capsize=4, color=colours)
+    for key, col in (("image_blind", "#dd8452"), ("shuffled_image", "#8172b3")):
+        ax.axhspan(n * (1 - report["floors"][key]), n, color=col, alpha=0.12, label=f"{key} floor and beyond")
+    ax.axhline(n * (1 - report["target"]), color="k", ls="--", lw=1, label=f"agreement {report['target']}")
+    ax.set_yscale("symlog", linthresh=10)
+    ax.set_xticks(x, names, rotation=30, ha="right")
+    ax.set_ylabel(f"disagreements of {n} (exact 95%)")
+    ax.legend(fontsize=7)
+    ax2 = fig.add_subplot(grid[0, len(types) // 2 + 1:])
+    ax2.bar(x, [s[a]["ttft_ratio_median"] for a in names], color=colours)
+    ax2.axhline(1.0, color="k", lw=1)
+    ax2.set_xticks(x, names, rotation=30, ha="right")
+    ax2.set_ylabel("median TTFT / full (overhead-dominated on tiny models)")
+    for i, t in enumerate(types):
+        axt = fig.add_subplot(grid[1, i]) if i < grid.ncols else None
+        if axt is None:
+            break
+        e = [s[a]["by_type"][t] for a in names]
+        d = np.array([v["n"] - v["k"] for v in e])
+        axt.bar(x, d, color=colours)
+        axt.errorbar(x, d, yerr=[d - np.array([v["n"] * (1 - v["high"]) for v in e]),
+                                 np.array([v["n"] * (1 - v["low"]) for v in e]) - d], fmt="none", ecolor="k", lw=0.8)
+        axt.set_title(t, fontsize=8)
+        axt.set_xticks(x, [a.replace("splice-", "") for a in names], rotation=90, fontsize=6)
+        axt.set_yscale("symlog", linthresh=5)
+    fig.suptitle(f"{report['model']}: n={n} paired requests, exact 95% intervals; red = controls")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def grid_markdown(report: dict) -> str:
+    conds = report["by_condition"]
+    arms = [n for n in report["arms"] if n != "full"]
+    lines = [f"# Stress grid: {report['model']}", "",
+             f"{report['items']} items x seeds {report['seeds'][0]}-{report['seeds'][-1]} per condition, "
+             f"{report['n']} paired requests in all. " + setup_line(report) + " Agreement with `full`, k/n [exact 95%]; "
+             "the models were trained on none of these layouts, so this is agreement, not accuracy.", "",
+             "| condition | n | asked image's offset | images / prompt | " + " | ".join(arms)
+             + " | cached tokens / req (prefix, splice-k1) |",
+             "|---|---|---|---|" + "---|" * len(arms) + "---|"]
+    for c, d in conds.items():
+        s = d["summary"]
+        n = s["full"]["agreement"]["n"]
+        cached = f"{s['prefix']['cached_tokens']:.0f}, {s['splice-k1']['cached_tokens']:.0f}" if (
+            "prefix" in s and "splice-k1" in s) else "-"
+        lines.append(f"| {c} | {n} | {d['offset_range'][0]} .. {d['offset_range'][1]} | {d['images_mean']:.1f} | "
+                     + " | ".join(rate(s[a]["agreement"]) for a in arms) + f" | {cached} |")
+    for key, title in (("by_offset", "asked image's offset (temporal position moved)"),
+                       ("by_images", "images in the prompt")):
+        lines += ["", f"## Agreement by {title}, all conditions", "",
+                  "| range | n | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]
+        for i, b in enumerate(report[key][arms[0]]):
+            if b["n"]:
+                lines.append(f"| [{b['range'][0]}, {b['range'][1]}) | {b['n']} | "
+                             + " | ".join(rate(report[key][a][i]) for a in arms) + " |")
+    flips = [f"{c}: " + "; ".join(f"{t} {e['flips']} ({', '.join(f'{k} x{v}' for k, v in e['by_direction'].items())})"
+                                  for t, e in d["summary"]["splice-k1"]["by_type"].items() if e["flips"])
+             for c, d in conds.items() if "splice-k1" in d["summary"]]
+    lines += ["", "## splice-k1 flips by condition (full -> splice-k1)", ""] + [f"- {f}" for f in flips]
+    return "\n".join(lines) + "\n"
+
+
+def grid_plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [n for n in report["arms"] if n != "full"]
+    controls = report.get("controls", [])
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, key, label in ((axes[0], "by_offset", "asked image's offset"), (axes[1], "by_images", "images in prompt")):
+        bins = [b for b in report[key][arms[0]]]
+        keep = [i for i, b in enumerate(bins) if b["n"]]
+        x = np.arange(len(keep))
+        for j, a in enumerate(arms):
+            e = [report[key][a][i] for i in keep]
+            dis = np.array([v["n"] - v["k"] for v in e], dtype=float)
+            lo = np.array([v["n"] * (1 - v["high"]) for v in e])
+            hi = np.array([v["n"] * (1 - v["low"]) for v in e])
+            ax.errorbar(x + (j - len(arms) / 2) * 0.08, dis, yerr=[dis - lo, hi - dis], fmt="o-", capsize=3,
+                        label=a, color=("#c44e52" if a in controls else None), lw=1)
+        ax.set_xticks(x, [f"[{bins[i]['range'][0]}, {bins[i]['range'][1]})\nn={bins[i]['n']}" for i in keep],
+                      fontsize=7)
+        ax.set_yscale("symlog", linthresh=5)
+        ax.set_xlabel(label)
+        ax.set_ylabel("disagreements with full (exact 95%)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{report['model']} stress grid: n={report['n']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_grid_reports(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "report.md").write_text(grid_markdown(report))
+    grid_plot(report, out / "grid.png")
+
+
+def write_reports(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "report.md").write_text(markdown(report))
+    plot(report, out / "agreement.png")
