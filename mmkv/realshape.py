@@ -21,7 +21,7 @@ import gzip
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -127,8 +127,8 @@ class ReleasedCheckpoint:
     vision: dict  # vision_config
     tie_word_embeddings: bool
     chat_template: str
-    image_processor: dict  # preprocessor_config.json
-    video_processor: dict = field(default_factory=dict)
+    preprocessor_config: dict  # preprocessor_config.json, as released
+    video_preprocessor_config: dict | None = None  # video_preprocessor_config.json, where released
 
     @property
     def hub_dir_name(self) -> str:
@@ -136,8 +136,9 @@ class ReleasedCheckpoint:
 
 
 _SPECIAL_CONFIG = dict(bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
-_QWEN2_PROCESSOR = dict(size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16384}, patch_size=14,
-                        merge_size=2, temporal_patch_size=2, image_mean=CLIP_MEAN, image_std=CLIP_STD)
+_QWEN2_PREPROCESSOR = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
+                       "merge_size": 2, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
+                       "image_processor_type": "Qwen2VLImageProcessor"}
 
 RELEASED: dict[str, ReleasedCheckpoint] = {
     # Qwen2-VL-2B-Instruct: 12 heads / 2 KV, tied embeddings, vocab 151936.
@@ -150,7 +151,8 @@ RELEASED: dict[str, ReleasedCheckpoint] = {
                   **_SPECIAL_CONFIG),
         vision=dict(depth=4, embed_dim=160, num_heads=2, mlp_ratio=4, hidden_size=256, hidden_act="quick_gelu",
                     patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
-        tie_word_embeddings=True, chat_template=QWEN2_VL_CHAT_TEMPLATE, image_processor=_QWEN2_PROCESSOR),
+        tie_word_embeddings=True, chat_template=QWEN2_VL_CHAT_TEMPLATE,
+        preprocessor_config={**_QWEN2_PREPROCESSOR, "processor_class": "Qwen2VLProcessor"}),
     # Qwen2.5-VL-7B-Instruct: 28 heads / 4 KV, untied, vocab 152064; vision window 112 px with
     # full attention every 8th block (released [7, 15, 23, 31]; here every 2nd of 4).
     "qwen2_5_vl": ReleasedCheckpoint(
@@ -163,7 +165,8 @@ RELEASED: dict[str, ReleasedCheckpoint] = {
         vision=dict(depth=4, hidden_size=160, intermediate_size=432, num_heads=2, out_hidden_size=256,
                     hidden_act="silu", patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                     fullatt_block_indexes=[1, 3], tokens_per_second=2, in_channels=3),
-        tie_word_embeddings=False, chat_template=QWEN2_VL_CHAT_TEMPLATE, image_processor=_QWEN2_PROCESSOR),
+        tie_word_embeddings=False, chat_template=QWEN2_VL_CHAT_TEMPLATE,
+        preprocessor_config={**_QWEN2_PREPROCESSOR, "processor_class": "Qwen2_5_VLProcessor"}),
     # Qwen3-VL-8B-Instruct: 32 heads / 8 KV of head_dim 128, untied, vocab 151936, interleaved
     # mrope [24, 20, 20] at theta 5e6; deepstack from 3 vision blocks (released [8, 16, 24] of 27).
     "qwen3_vl": ReleasedCheckpoint(
@@ -178,10 +181,14 @@ RELEASED: dict[str, ReleasedCheckpoint] = {
                     hidden_act="gelu_pytorch_tanh", patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                     num_position_embeddings=2304, deepstack_visual_indexes=[1, 2, 3], in_channels=3),
         tie_word_embeddings=False, chat_template=QWEN3_VL_CHAT_TEMPLATE,
-        image_processor=dict(size={"shortest_edge": 65536, "longest_edge": 16777216}, patch_size=16, merge_size=2,
-                             temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]),
-        video_processor=dict(size={"shortest_edge": 4096, "longest_edge": 25165824}, patch_size=16, merge_size=2,
-                             temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])),
+        preprocessor_config={"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16,
+                             "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                             "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
+                             "image_processor_type": "Qwen2VLImageProcessorFast"},
+        video_preprocessor_config={"size": {"longest_edge": 25165824, "shortest_edge": 4096}, "patch_size": 16,
+                                   "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                                   "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
+                                   "video_processor_type": "Qwen3VLVideoProcessor"}),
 }
 
 # Qwen2.5-VL's documented long-context setting (its model card): YaRN x4 over 32768 positions.
@@ -189,47 +196,20 @@ QWEN2_5_VL_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_em
                    "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}
 
 
-def load_tokenizer(chat_template: str | None = None):
-    """Qwen's released tokenizer from the vendored files (offline), with `chat_template`."""
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer.from_str(gzip.decompress((TOKENIZER_DIR / "tokenizer.json.gz").read_bytes()).decode())
-    config = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token=config["eos_token"], pad_token=config["pad_token"], bos_token=None,
-        unk_token=None, model_max_length=config["model_max_length"], clean_up_tokenization_spaces=False,
-        chat_template=chat_template if chat_template is not None else config["chat_template"],
-        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
-                              "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"},
-    )
-    for token, tid in SPECIAL_IDS.items():
-        assert tok.convert_tokens_to_ids(token) == tid, f"vendored tokenizer: {token} is not {tid}"
-    return tok
-
-
-def build_processor(family: str, tokenizer=None):
-    """The family's processor with the released checkpoint's settings and chat template (set on
-    `tokenizer` too, which may be shared between builds: loading it takes seconds)."""
-    from transformers import (
-        Qwen2_5_VLProcessor,
-        Qwen2VLImageProcessor,
-        Qwen2VLProcessor,
-        Qwen2VLVideoProcessor,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
-    )
-
+def _write_processor_files(family: str, snapshot: Path) -> None:
+    """The tokenizer and processor files as the released repo ships them: tokenizer.json (the vendored
+    one, byte for byte), tokenizer_config.json and chat_template.json carrying the family's template,
+    preprocessor_config.json (and video_preprocessor_config.json for Qwen3-VL)."""
     spec = RELEASED[family]
-    tokenizer = tokenizer or load_tokenizer()
-    tokenizer.chat_template = spec.chat_template  # the released tokenizer_config.json carries it too
-    image = Qwen2VLImageProcessor(**spec.image_processor)
-    if family == "qwen3_vl":
-        return Qwen3VLProcessor(image_processor=image, tokenizer=tokenizer, chat_template=spec.chat_template,
-                                video_processor=Qwen3VLVideoProcessor(**spec.video_processor))
-    video = Qwen2VLVideoProcessor(patch_size=14, merge_size=2, temporal_patch_size=2)
-    cls = Qwen2_5_VLProcessor if family == "qwen2_5_vl" else Qwen2VLProcessor
-    return cls(image_processor=image, tokenizer=tokenizer, video_processor=video, chat_template=spec.chat_template)
+    (snapshot / "tokenizer.json").write_bytes(gzip.decompress((TOKENIZER_DIR / "tokenizer.json.gz").read_bytes()))
+    config = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())
+    config["chat_template"] = spec.chat_template
+    files = {"tokenizer_config.json": config, "chat_template.json": {"chat_template": spec.chat_template},
+             "preprocessor_config.json": spec.preprocessor_config,
+             "video_preprocessor_config.json": spec.video_preprocessor_config}
+    for name, content in files.items():
+        if content is not None:
+            (snapshot / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
 
 
 def real_config(family: str, rope_parameters: dict | None = None, initializer_range: float = 0.02):
@@ -321,7 +301,7 @@ def _move_into_blobs(repo_dir: Path, snapshot: Path) -> None:
 
 def save_real_checkpoint(family: str, hub_cache: str | Path, *, seed: int = 0, repo_id: str | None = None,
                          rope_parameters: dict | None = None, initializer_range: float = 0.02,
-                         max_shard_size: str = "64MB", tokenizer=None) -> Path:
+                         max_shard_size: str = "64MB") -> Path:
     """Write a random-weight checkpoint of `family` into `hub_cache` as the hub would, under
     `repo_id` (default: the released repo it mirrors), in bfloat16, with config.json and weight
     names spelled as released. Returns the snapshot directory."""
@@ -341,7 +321,7 @@ def save_real_checkpoint(family: str, hub_cache: str | Path, *, seed: int = 0, r
     model.generation_config.bos_token_id = SPECIAL_IDS["<|endoftext|>"]
     model.save_pretrained(snapshot, max_shard_size=max_shard_size)
     _respell_as_released(family, snapshot, released_config_json(family, rope_parameters, initializer_range))
-    build_processor(family, tokenizer).save_pretrained(snapshot)
+    _write_processor_files(family, snapshot)
     _move_into_blobs(repo_dir, snapshot)
     (repo_dir / "refs").mkdir(exist_ok=True)
     (repo_dir / "refs" / "main").write_text(revision)

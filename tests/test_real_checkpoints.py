@@ -27,7 +27,7 @@ from mmkv.cli import app
 from mmkv.errors import ModelLoadError
 from mmkv.hub import resolve_model
 from mmkv.oracle import block_masked_logits
-from mmkv.realshape import QWEN2_5_VL_YARN, RELEASED, SPECIAL_IDS, load_tokenizer, save_real_checkpoint
+from mmkv.realshape import QWEN2_5_VL_YARN, RELEASED, SPECIAL_IDS, save_real_checkpoint
 from mmkv.rerotate import reposition_keys
 from mmkv.splice import precompile_image, prefill_spliced
 
@@ -49,11 +49,10 @@ SPLICE_TOL = {torch.float32: 1e-4, torch.bfloat16: 8e-2, torch.float16: 1e-2}
 def hub(tmp_path_factory):
     """A hub cache holding the three real-shape checkpoints and a YaRN variant, as HF_HUB_CACHE."""
     root = tmp_path_factory.mktemp("hub")
-    tokenizer = load_tokenizer()
     for fam in FAMILIES:
-        save_real_checkpoint(fam, root, seed=1, tokenizer=tokenizer, initializer_range=0.05)
-    save_real_checkpoint("qwen2_5_vl", root, seed=1, tokenizer=tokenizer, initializer_range=0.05,
-                         repo_id=YARN_REPO, rope_parameters=QWEN2_5_VL_YARN)
+        save_real_checkpoint(fam, root, seed=1, initializer_range=0.05)
+    save_real_checkpoint("qwen2_5_vl", root, seed=1, initializer_range=0.05, repo_id=YARN_REPO,
+                         rope_parameters=QWEN2_5_VL_YARN)
     before = os.environ.get("HF_HUB_CACHE")
     os.environ["HF_HUB_CACHE"] = str(root)
     yield root
@@ -131,14 +130,14 @@ def _processor_ids(engine: Engine, hf_messages: list) -> tuple[list[int], torch.
 
 
 # ---- the tokenizer -------------------------------------------------------------------------------
-def test_vendored_tokenizer_is_qwens():
-    tok = load_tokenizer()
-    assert len(tok) == 151669
-    for token, tid in SPECIAL_IDS.items():
-        assert tok.convert_tokens_to_ids(token) == tid
+def test_vendored_tokenizer_is_qwens(engines):
+    for fam, engine in engines.items():
+        tok = engine.adapter.tokenizer
+        assert len(tok) == 151669
+        assert {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_IDS} == SPECIAL_IDS
     # Stored expectation: Qwen's ids for a chat header ("user" 872, "\n" 198).
-    assert tok("<|im_start|>user\nhi<|im_end|>")["input_ids"][:3] == [151644, 872, 198]
-    assert tok("<|im_start|>user\nhi<|im_end|>")["input_ids"][-1] == 151645
+    ids = tok("<|im_start|>user\nhi<|im_end|>")["input_ids"]
+    assert ids[:3] == [151644, 872, 198] and ids[-1] == 151645
     text = "naïve café ✓ 你好 <tool_call>"
     assert tok.decode(tok(text)["input_ids"]) == text
 
@@ -154,7 +153,10 @@ def test_hub_layout_and_released_settings(hub, engines):
         assert engines[fam].model_id == spec.repo_id
         ip = ad.processor.image_processor
         assert (ip.patch_size, ip.merge_size, ip.temporal_patch_size) == (16 if fam == "qwen3_vl" else 14, 2, 2)
-        assert dict(ip.size) == spec.image_processor["size"]
+        released = spec.preprocessor_config
+        size = released.get("size") or {"shortest_edge": released["min_pixels"], "longest_edge": released["max_pixels"]}
+        assert dict(ip.size) == size and list(ip.image_mean) == released["image_mean"]
+        assert ad.processor.chat_template == spec.chat_template == ad.tokenizer.chat_template
         text = ad.text_config
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         assert head_dim == 128 and ad.rope.inv_freq.numel() == 64
