@@ -22,7 +22,8 @@ from mmkv.vqa_eval.errata import run_errata
 from mmkv.vqa_eval.grid import run_grid
 from mmkv.vqa_eval.metrics import Estimate, agreement_flags, bootstrap_ci, logit_cosine, p90
 from mmkv.vqa_eval.protocol import Shape, balanced_subset, build_conversation, to_messages
-from mmkv.vqa_eval.run import DEFAULT_SET, common_prefix_length, image_offset, run_eval, token_keys
+from mmkv.vqa_eval.run import (DEFAULT_SET, common_prefix_length, image_offset, merge_reports, run_eval,
+                               token_keys)
 from mmkv.vqa_eval.stats import clopper_pearson
 
 # ----------------------------------------------------------------------------- metrics by hand
@@ -235,3 +236,18 @@ def test_compare_reports_pairs_requests(tmp_path):
     a.write_text(json.dumps(rep("m1", [True] * 10)))
     b.write_text(json.dumps(rep("m2", [False] * 4 + [True] * 6)))
     assert "| splice-k1 | 10 | 4 | 0 | 0.125 |" in compare_reports(a, b)
+
+
+def test_merge_of_seed_shards_equals_the_whole_run(data, tmp_path):
+    paths = []
+    for s in (0, 1):
+        part = {**data, "seeds": [s], "requests": [r for r in data["requests"] if r["seed"] == s]}
+        paths.append(tmp_path / f"s{s}.json")
+        paths[-1].write_text(json.dumps(part))
+    merged = merge_reports(paths, tmp_path / "merged")
+    assert merged["n"] == 12 and merged["seeds"] == [0, 1]
+    for name, s in data["summary"].items():
+        assert merged["summary"][name]["agreement"] == s["agreement"]
+        assert merged["summary"][name]["by_type"] == s["by_type"]
+    with pytest.raises(ValueError, match="share conversation seeds"):
+        merge_reports([paths[0], paths[0]], tmp_path / "again")

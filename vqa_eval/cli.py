@@ -42,6 +42,9 @@ def eval_command(
                                               "shared CPU run fastest on 1.")] = 0,
     anchor: Annotated[str, typer.Option(help="Precompile chunks after the chat template's default header "
                                              "(system) or alone (none): run both to choose for your model.")] = "system",
+    merge: Annotated[list[Path] | None, typer.Option(
+        "--merge", help="report.json files of one model over disjoint seeds: pooled into one report in --out, "
+                        "no model run.")] = None,
     compare: Annotated[list[Path] | None, typer.Option(
         "--compare", help="Two report.json of the same items and seeds (two models): exact McNemar per arm, "
                           "no model run.")] = None,
@@ -59,6 +62,12 @@ def eval_command(
             from mmkv.vqa_eval.compare import compare_reports
 
             typer.echo(compare_reports(*compare))
+            return
+        if merge:
+            from mmkv.vqa_eval.run import merge_reports
+
+            report = merge_reports(merge, out)
+            typer.echo((out / "report.md").read_text())
             return
         if task not in TASKS:
             raise ValueError(f"--task must be one of {', '.join(TASKS)}")

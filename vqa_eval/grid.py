@@ -34,7 +34,7 @@ CONDITIONS: dict[str, Shape] = {
     "two-images": Shape(later=(1, 2), two_images=True),
 }
 OFFSET_BINS = ((-10**6, 0), (0, 1), (1, 50), (50, 150), (150, 300), (300, 10**6))
-IMAGE_BINS = ((1, 2), (2, 3), (3, 4), (4, 6), (6, 8), (8, 100))
+IMAGE_BINS = ((1, 2), (2, 3), (3, 4), (4, 6), (6, 8), (8, 10**6))
 
 
 def binned(rows: list[dict], arm: str, key: str, bins) -> list[dict]:

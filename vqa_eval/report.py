@@ -125,6 +125,14 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _disagreements(rates: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Disagreement counts n - k and their exact 95% interval, from agreement rates."""
+    dis = np.array([r["n"] - r["k"] for r in rates], dtype=float)
+    low = np.array([r["n"] * (1 - r["high"]) for r in rates])
+    high = np.array([r["n"] * (1 - r["low"]) for r in rates])
+    return dis, low, high
+
+
 def plot(report: dict, path: Path) -> None:
     """Disagreement counts with exact intervals, floors as bands, controls in another colour, per-type
     small multiples, TTFT as a ratio to full."""
@@ -136,44 +144,52 @@ def plot(report: dict, path: Path) -> None:
     s, controls = report["summary"], report.get("controls", [])
     names = [n for n in s if n != "full"]
     types = list(s[names[0]]["by_type"]) if names else []
-    fig = plt.figure(figsize=(14, 8))
-    grid = fig.add_gridspec(2, max(len(types), 1) + 2)
-    ax = fig.add_subplot(grid[0, : len(types) // 2 + 1])
-    colours = ["#c44e52" if n in controls else "#4c72b0" for n in names]
+    fig = plt.figure(figsize=(15, 10))
+    grid = fig.add_gridspec(3, 5)
+    ax = fig.add_subplot(grid[0, :3])
+    colours = ["#c44e52" if a in controls else "#4c72b0" for a in names]
     n = report["n"]
-    dis = np.array([n - s[a]["agreement"]["k"] for a in names])
-    err = np.array([[d - n * (1 - s[a]["agreement"]["high"]) for a, d in zip(names, dis)],
-                    [n * (1 - s[a]["agreement"]["low"]) - d for a, d in zip(names, dis)]])
     x = np.arange(len(names))
-    ax.bar(x, dis, yerr=err, capsize=4, color=colours)
-    for key, col in (("image_blind", "#dd8452"), ("shuffled_image", "#8172b3")):
-        ax.axhspan(n * (1 - report["floors"][key]), n, color=col, alpha=0.12, label=f"{key} floor and beyond")
+    dis, low, high = _disagreements([s[a]["agreement"] for a in names])
+    ax.bar(x, dis, yerr=[dis - low, high - dis], capsize=4, color=colours)
+    ax.axhspan(n * (1 - report["floors"]["image_blind"]), n, color="#dd8452", alpha=0.15,
+               label="at or below the image-blind floor")
+    ax.axhspan(n * (1 - report["floors"]["shuffled_image"]), n, color="#8172b3", alpha=0.15,
+               label="at or below the shuffled-image floor")
     ax.axhline(n * (1 - report["target"]), color="k", ls="--", lw=1, label=f"agreement {report['target']}")
     ax.set_yscale("symlog", linthresh=10)
-    ax.set_xticks(x, names, rotation=30, ha="right")
-    ax.set_ylabel(f"disagreements of {n} (exact 95%)")
-    ax.legend(fontsize=7)
-    ax2 = fig.add_subplot(grid[0, len(types) // 2 + 1:])
+    ax.set_ylim(0, n)
+    ax.set_xticks(x, names, rotation=20, ha="right")
+    ax.set_ylabel(f"disagreements with full, of {n} (exact 95%)")
+    ax.legend(fontsize=7, loc="upper left")
+    ax2 = fig.add_subplot(grid[0, 3:])
     ax2.bar(x, [s[a]["ttft_ratio_median"] for a in names], color=colours)
     ax2.axhline(1.0, color="k", lw=1)
-    ax2.set_xticks(x, names, rotation=30, ha="right")
-    ax2.set_ylabel("median TTFT / full (overhead-dominated on tiny models)")
-    for i, t in enumerate(types):
-        axt = fig.add_subplot(grid[1, i]) if i < grid.ncols else None
-        if axt is None:
-            break
-        e = [s[a]["by_type"][t] for a in names]
-        d = np.array([v["n"] - v["k"] for v in e])
-        axt.bar(x, d, color=colours)
-        axt.errorbar(x, d, yerr=[d - np.array([v["n"] * (1 - v["high"]) for v in e]),
-                                 np.array([v["n"] * (1 - v["low"]) for v in e]) - d], fmt="none", ecolor="k", lw=0.8)
-        axt.set_title(t, fontsize=8)
-        axt.set_xticks(x, [a.replace("splice-", "") for a in names], rotation=90, fontsize=6)
-        axt.set_yscale("symlog", linthresh=5)
+    ax2.set_xticks(x, names, rotation=20, ha="right")
+    ax2.set_ylabel("median TTFT / full")
+    ax2.set_title("overhead-dominated on tiny models: not a speed-up claim", fontsize=8)
+    short = [a.replace("splice-", "") for a in names]
+    for i, t in enumerate(types[:10]):
+        axt = fig.add_subplot(grid[1 + i // 5, i % 5])
+        dis, low, high = _disagreements([s[a]["by_type"][t] for a in names])
+        axt.bar(x, dis, yerr=[dis - low, high - dis], capsize=2, color=colours)
+        axt.set_ylim(0, max(high.max(), 1) * 1.05)
+        axt.set_title(f"{t} (n={s[names[0]]['by_type'][t]['n']})", fontsize=8)
+        axt.set_xticks(x, short, rotation=45, ha="right", fontsize=7)
     fig.suptitle(f"{report['model']}: n={n} paired requests, exact 95% intervals; red = controls")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def span(r: list[int]) -> str:
+    """A half-open bin [lo, hi) as text; the open-ended outer bins as < hi and >= lo."""
+    lo, hi = r
+    if lo <= -10**5:
+        return f"< {hi}"
+    if hi >= 10**5:
+        return f">= {lo}"
+    return f"{lo}" if hi == lo + 1 else f"{lo} .. {hi - 1}"
 
 
 def grid_markdown(report: dict) -> str:
@@ -199,10 +215,11 @@ def grid_markdown(report: dict) -> str:
                   "| range | n | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]
         for i, b in enumerate(report[key][arms[0]]):
             if b["n"]:
-                lines.append(f"| [{b['range'][0]}, {b['range'][1]}) | {b['n']} | "
+                lines.append(f"| {span(b['range'])} | {b['n']} | "
                              + " | ".join(rate(report[key][a][i]) for a in arms) + " |")
-    flips = [f"{c}: " + "; ".join(f"{t} {e['flips']} ({', '.join(f'{k} x{v}' for k, v in e['by_direction'].items())})"
-                                  for t, e in d["summary"]["splice-k1"]["by_type"].items() if e["flips"])
+    flips = [f"{c}: " + ("; ".join(f"{t} {e['flips']} ({', '.join(f'{k} x{v}' for k, v in e['by_direction'].items())})"
+                                   for t, e in d["summary"]["splice-k1"]["by_type"].items() if e["flips"])
+                         or "no flips")
              for c, d in conds.items() if "splice-k1" in d["summary"]]
     lines += ["", "## splice-k1 flips by condition (full -> splice-k1)", ""] + [f"- {f}" for f in flips]
     return "\n".join(lines) + "\n"
@@ -228,7 +245,7 @@ def grid_plot(report: dict, path: Path) -> None:
             hi = np.array([v["n"] * (1 - v["low"]) for v in e])
             ax.errorbar(x + (j - len(arms) / 2) * 0.08, dis, yerr=[dis - lo, hi - dis], fmt="o-", capsize=3,
                         label=a, color=("#c44e52" if a in controls else None), lw=1)
-        ax.set_xticks(x, [f"[{bins[i]['range'][0]}, {bins[i]['range'][1]})\nn={bins[i]['n']}" for i in keep],
+        ax.set_xticks(x, [f"{span(bins[i]['range'])}\nn={bins[i]['n']}" for i in keep],
                       fontsize=7)
         ax.set_yscale("symlog", linthresh=5)
         ax.set_xlabel(label)

@@ -10,6 +10,7 @@ MECHANISM.md section 5; statistics: vqa_eval/stats.py.
 from __future__ import annotations
 
 import copy
+import json
 import platform
 import random
 import time
@@ -408,6 +409,28 @@ def run_eval(model_dir: str | Path | None = None, set_dir: str | Path | None = N
     return report
 
 
+def merge_reports(paths: list[Path], out: str | Path) -> dict:
+    """One report from runs of the same model and settings over disjoint conversation seeds (a
+    long run split into shards that each finish): requests pooled, every statistic recomputed."""
+    from mmkv.vqa_eval.report import write_reports
+
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    first = parts[0]
+    for p in parts[1:]:
+        if (p["model"], p["layout"], list(p["arms"]), p["limit"]) != (first["model"], first["layout"],
+                                                                       list(first["arms"]), first["limit"]):
+            raise ValueError("merge needs runs of one model, layout, arm set and item limit")
+    seeds = sorted(s for p in parts for s in p["seeds"])
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"the runs share conversation seeds: {seeds}")
+    rows = [r for p in parts for r in p["requests"]]
+    report = {**first, "seeds": seeds, "n": len(rows), "wall_s": round(sum(p["wall_s"] for p in parts), 2),
+              "floors": floors(rows), "summary": summarize(rows, list(first["arms"]), first["seed"]),
+              "requests": rows}
+    write_reports(report, Path(out))
+    return report
+
+
 def header(engine: Engine, model_dir, set_dir, seed: int, limit: int | None, max_new_tokens: int) -> dict:
     return {
         "model": engine.model_id, "model_dir": str(model_dir) if model_dir else "bundled",
@@ -436,8 +459,6 @@ def _code_state() -> dict:
 
 def _checkpoint_state(model_dir: Path) -> dict | None:
     """Steps and finality of a bundled tiny model (samples/train.py writes train_state.json)."""
-    import json
-
     path = model_dir / "train_state.json"
     if not path.is_file():
         return None
