@@ -326,3 +326,23 @@ def save_real_checkpoint(family: str, hub_cache: str | Path, *, seed: int = 0, r
     (repo_dir / "refs").mkdir(exist_ok=True)
     (repo_dir / "refs" / "main").write_text(revision)
     return snapshot
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m mmkv.realshape HUB_CACHE [FAMILY ...]`: write real-shape checkpoints into a hub cache."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m mmkv.realshape", description=main.__doc__)
+    parser.add_argument("hub_cache", type=Path, help="e.g. ~/.cache/huggingface/hub, or any dir for HF_HUB_CACHE")
+    parser.add_argument("families", nargs="*", metavar="FAMILY", help=f"{', '.join(RELEASED)} (default: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.families) - set(RELEASED))
+    if unknown:
+        parser.error(f"unknown family {', '.join(unknown)}; expected {', '.join(RELEASED)}")
+    for family in args.families or RELEASED:
+        print(f"{RELEASED[family].repo_id}: {save_real_checkpoint(family, args.hub_cache.expanduser(), seed=args.seed)}")
+
+
+if __name__ == "__main__":
+    main()

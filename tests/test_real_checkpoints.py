@@ -433,3 +433,25 @@ def test_image_features_keep_the_model_dtype(variants):
     chunk = precompile_image(engine.adapter, feats, grid, "k", engine.anchor_ids)
     assert feats.embeds.dtype == torch.bfloat16 and len(feats.deepstack) == 3
     assert all(k.dtype == torch.bfloat16 for k in chunk.keys)
+
+
+def test_http_usage_and_model_id_on_a_real_shape_checkpoint(engines):
+    """Through the OpenAI-compatible server: /v1/models names the hub id, and usage.prompt_tokens
+    (streamed and not) is the processor's count for the same messages."""
+    from fastapi.testclient import TestClient
+
+    from mmkv.server.app import ServerSettings, create_app
+
+    engine = engines["qwen2_5_vl"]
+    mmkv_msgs, hf_msgs = _conversation("multi_turn")
+    expected, _ = _processor_ids(engine, hf_msgs)
+    with TestClient(create_app(engine, ServerSettings())) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [RELEASED["qwen2_5_vl"].repo_id]
+        body = {"model": RELEASED["qwen2_5_vl"].repo_id, "messages": mmkv_msgs, "max_tokens": 2}
+        reply = client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(expected)
+        stream = client.post("/v1/chat/completions",
+                             json={**body, "stream": True, "stream_options": {"include_usage": True}})
+        chunks = [json.loads(line[6:]) for line in stream.text.splitlines()
+                  if line.startswith("data: {")]
+        assert [c["usage"]["prompt_tokens"] for c in chunks if c.get("usage")] == [len(expected)]
