@@ -16,11 +16,14 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import xxhash
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from mmkv.adapters import ImageFeatures, VLAdapter, load_adapter
 from mmkv.chunks import CachedChunk, chunk_cache_key
@@ -39,14 +42,17 @@ from mmkv.edits import (
     prefill_edited,
 )
 from mmkv.errors import (
+    ImageStoreFullError,
+    ImageTooLargeError,
     InvalidRequestError,
+    MMKVError,
     ModelLoadError,
     PromptTooLongError,
     UnknownImageError,
     UnknownSkillError,
 )
 from mmkv.hub import resolve_model
-from mmkv.images import DEFAULT_MAX_IMAGE_PIXELS, DecodedImage, decode_image
+from mmkv.images import DEFAULT_MAX_IMAGE_PIXELS, PreparedImage, decode_image
 from mmkv.kv_store import KVStore
 from mmkv.messages import ImageRef, SkillRef, erratum_line, parse_messages
 from mmkv.prefix_cache import PrefixCache, block_keys
@@ -72,6 +78,7 @@ class EngineSettings:
     cache_bytes: int = 2 << 30  # one budget for image and skill chunks and prefix blocks
     anchor: str = "system"  # precompile chunks after the chat template's default system header
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    image_store_bytes: int = 1 << 30  # sources kept for uploaded images (encoded bytes / downscaled RGB)
     max_context: int | None = None  # tokens; None = the model's max_position_embeddings
     prefix_cache: bool = True
     edit_max_tokens: int = 16  # longest substitution the edit detector treats as a field change
@@ -84,6 +91,8 @@ class EngineSettings:
             raise InvalidRequestError(f"anchor must be one of {ANCHORS}", param="anchor")
         if self.cache_bytes < 0:
             raise InvalidRequestError("cache_bytes must be >= 0", param="cache_bytes")
+        if self.image_store_bytes < 0:
+            raise InvalidRequestError("image_store_bytes must be >= 0", param="image_store_bytes")
 
 
 def check_seam_tokens(value) -> int:
@@ -201,9 +210,23 @@ class SplicePlan:
 
 @dataclass
 class _Registered:
-    decoded: DecodedImage
-    pixel_values: torch.Tensor
+    """A registered image: its compact source (counted in the image store) and, until its first
+    vision-tower run, that run's input. Never the full-resolution RGB."""
+
+    content_hash: str
+    width: int  # of the original
+    height: int
+    source_bytes: int
+    source: bytes | Image.Image  # the encoded upload, or an RGB of at most max_pixels
+    source_nbytes: int
     grid_thw: tuple[int, int, int]
+    pixel_values: torch.Tensor | None  # dropped once encoded; remade from `source` after an eviction
+    uploaded: bool  # added by add_image (kept until removed); else inline, released when its request ends
+
+    @classmethod
+    def of(cls, image: PreparedImage, uploaded: bool) -> _Registered:
+        return cls(image.content_hash, image.width, image.height, image.source_bytes, image.source,
+                   image.source_nbytes, image.grid_thw, image.pixel_values, uploaded)
 
 
 @dataclass
@@ -235,6 +258,8 @@ class Engine:
         self._skills: dict[tuple[str, str], _Skill] = {}
         self._recent = RecentPrompts(RECENT_PROMPTS, RECENT_KEYS, RECENT_BYTES)
         self._lock = threading.RLock()
+        self._image_store_bytes = 0  # sources of every registered image
+        self._fresh: set[str] = set()  # chunk keys precompiled since the current request began
         self._counters = _Counters()
         self.fingerprint = xxhash.xxh3_128(adapter.fingerprint_source().encode()).hexdigest()
         ip = adapter.processor.image_processor
@@ -319,37 +344,83 @@ class Engine:
         config = self.adapter.config
         ids = {self.adapter.image_token_id, self.adapter.vision_start_id, self.adapter.vision_end_id,
                getattr(config, "video_token_id", None)}
-        ids.update(tid for tok, tid in self.adapter.tokenizer.get_added_vocab().items() if PROCESSOR_ONLY.fullmatch(tok))
+        added = self.adapter.tokenizer.get_added_vocab()
+        ids.update(tid for tok, tid in added.items() if PROCESSOR_ONLY.fullmatch(tok))
         return sorted(i for i in ids if isinstance(i, int))
 
     # ---- images ----------------------------------------------------------------------------------
+    def prepare_image(self, data) -> PreparedImage:
+        """Decode (size and bomb limits), hash, downscale and preprocess an image: bytes, a PIL image
+        or a data: URL. Thread-safe and lock-free (reads only the model's settings), so the server
+        runs it in a thread pool off the engine worker; changes nothing. The result goes to
+        add_image or into a message part wherever a PIL image is accepted.
+
+        Bytes keep their encoded form as the source (a recompute decodes them again, exactly); a
+        PIL image larger than the processor's max_pixels is kept downscaled to the processor's
+        own target size (the size its resize would produce). An image whose span alone does not
+        fit the context raises ImageTooLargeError."""
+        if isinstance(data, PreparedImage):
+            return data
+        decoded = decode_image(data, self.settings.max_image_pixels)
+        source = decoded.encoded if decoded.encoded is not None else self._fit_to_processor(decoded.image)
+        pixel_values, grid = self.adapter.preprocess_image(decoded.image if isinstance(source, bytes) else source)
+        span = self.adapter.image_token_count(grid) + 2
+        if self.anchor_ids.numel() + span >= self.max_context:
+            raise ImageTooLargeError(f"image is {decoded.width}x{decoded.height}: its {span} tokens leave no room in "
+                                     f"the context of {self.max_context} tokens", param="image")
+        return PreparedImage(decoded.content_hash, decoded.width, decoded.height, decoded.source_bytes, source,
+                             pixel_values, grid)
+
+    def _fit_to_processor(self, image: Image.Image) -> Image.Image:
+        """The image at the size the processor's resize would give it, if that is smaller."""
+        ip = self.adapter.processor.image_processor
+        h, w = smart_resize(image.height, image.width, factor=ip.patch_size * ip.merge_size,
+                            min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"])
+        if h * w >= image.height * image.width:
+            return image
+        return image.resize((w, h), Image.Resampling.BICUBIC)
+
     def add_image(self, data, tenant: str = "") -> str:
-        """Decode, register and precompile an image; returns its stable id (from the content hash)."""
+        """Register and precompile an image (bytes, PIL image, data: URL or a PreparedImage);
+        returns its stable id (from the content hash). Decoding runs before the engine lock is
+        taken. Raises ImageStoreFullError when its source would overflow `image_store_bytes`."""
+        prepared = self.prepare_image(data)
         with self._lock:
-            image_id, reg = self._register(decode_image(data, self.settings.max_image_pixels), tenant)
+            image_id, reg = self._register(prepared, tenant, uploaded=True)
             self._image_chunk(reg, tenant)
+            reg.pixel_values = None  # also when its KV was already cached: the source remakes it on a miss
             return image_id
 
     def image_info(self, image_id: str, tenant: str = "") -> ImageInfo:
         with self._lock:
             reg = self._lookup(image_id, tenant)
-            return ImageInfo(image_id, reg.decoded.width, reg.decoded.height,
-                             self.adapter.image_token_count(reg.grid_thw), reg.decoded.source_bytes)
+            return ImageInfo(image_id, reg.width, reg.height, self.adapter.image_token_count(reg.grid_thw),
+                             reg.source_bytes)
 
     def remove_image(self, image_id: str, tenant: str = "") -> None:
-        """Drop an image's pixels and its cached KV."""
+        """Drop an image's source and everything derived from it: its cached KV and every prefix
+        block holding that KV (and the blocks after them)."""
         with self._lock:
             reg = self._lookup(image_id, tenant)
-            self.cache.discard(self._image_key(reg, tenant))
-            del self._images[(tenant, image_id)]
+            self.cache.purge(self._image_key(reg, tenant))
+            self._unregister((tenant, image_id))
 
-    def _register(self, decoded: DecodedImage, tenant: str) -> tuple[str, _Registered]:
-        image_id = image_id_for(decoded.content_hash)
+    def _register(self, image: PreparedImage, tenant: str, uploaded: bool) -> tuple[str, _Registered]:
+        image_id = image_id_for(image.content_hash)
         reg = self._images.get((tenant, image_id))
         if reg is None:
-            pixel_values, grid = self.adapter.preprocess_image(decoded.image)
-            reg = self._images[(tenant, image_id)] = _Registered(decoded, pixel_values, grid)
+            if uploaded and self._image_store_bytes + image.source_nbytes > self.settings.image_store_bytes:
+                raise ImageStoreFullError(
+                    f"the image store holds {self._image_store_bytes} of {self.settings.image_store_bytes} bytes; "
+                    f"this image needs {image.source_nbytes}: delete images first", param="image")
+            reg = self._images[(tenant, image_id)] = _Registered.of(image, uploaded)
+            self._image_store_bytes += reg.source_nbytes
+        elif uploaded:
+            reg.uploaded = True
         return image_id, reg
+
+    def _unregister(self, key: tuple[str, str]) -> None:
+        self._image_store_bytes -= self._images.pop(key).source_nbytes
 
     def _lookup(self, image_id: str, tenant: str, param: str | None = None) -> _Registered:
         reg = self._images.get((tenant, image_id))
@@ -358,12 +429,20 @@ class Engine:
         return reg
 
     def _image_key(self, reg: _Registered, tenant: str) -> str:
-        return chunk_cache_key("image", reg.decoded.content_hash, self.fingerprint, self.grid_settings,
+        return chunk_cache_key("image", reg.content_hash, self.fingerprint, self.grid_settings,
                                self.settings.anchor, tenant)
 
     def _encode(self, reg: _Registered) -> ImageFeatures:
+        """Run the vision tower; its input is then dropped (remade from the source on a later miss)."""
+        pixel_values = reg.pixel_values
+        if pixel_values is None:
+            rgb = decode_image(reg.source, self.settings.max_image_pixels).image if isinstance(reg.source, bytes) \
+                else reg.source
+            pixel_values = self.adapter.preprocess_image(rgb)[0]
         self._counters.vision_tower_runs += 1
-        return self.adapter.encode_image(reg.pixel_values, reg.grid_thw)
+        features = self.adapter.encode_image(pixel_values, reg.grid_thw)
+        reg.pixel_values = None
+        return features
 
     def _cached_chunk(self, key: str, kind: str, precompile: Callable[[], CachedChunk]) -> CachedChunk:
         """The chunk under `key`; on a miss `precompile()` builds it (counted) and it is stored."""
@@ -371,6 +450,7 @@ class Engine:
         if entry is None:
             entry = precompile()
             self._counters.prefill_tokens += self.anchor_ids.numel() + entry.num_tokens
+            self._fresh.add(key)
             self.cache.put(entry)
         return entry
 
@@ -412,7 +492,7 @@ class Engine:
     def remove_skill(self, skill_id: str, tenant: str = "") -> None:
         with self._lock:
             skill = self._skill(skill_id, tenant)
-            self.cache.discard(self._skill_key(skill, tenant))
+            self.cache.purge(self._skill_key(skill, tenant))
             del self._skills[(tenant, skill_id)]
 
     def _skill(self, skill_id: str, tenant: str, param: str | None = None) -> _Skill:
@@ -430,24 +510,58 @@ class Engine:
             self.adapter, "skill", skill.token_ids, key, self.anchor_ids))
 
     # ---- prompts ---------------------------------------------------------------------------------
-    def _resolve(self, refs: list[ImageRef | SkillRef], tenant: str) -> list[_Registered | _Skill]:
-        """Every referenced image and skill; inline images are decoded and registered for this
-        tenant. All references are validated before anything is stored, so a bad one changes nothing."""
+    def _prepare_inline(self, refs: list[ImageRef | SkillRef]) -> dict[int, PreparedImage]:
+        """Inline images decoded and preprocessed before the engine lock is taken; the same data
+        referenced twice is prepared once. An error names the message part."""
+        prepared, by_data = {}, {}
+        for i, ref in enumerate(refs):
+            if isinstance(ref, SkillRef) or ref.image_id is not None:
+                continue
+            same = ref.data if isinstance(ref.data, (str, bytes)) else id(ref.data)
+            if same not in by_data:
+                try:
+                    by_data[same] = self.prepare_image(ref.data)
+                except MMKVError as exc:
+                    raise type(exc)(f"{ref.param}: {exc.message}", param=ref.param) from exc
+            prepared[i] = by_data[same]
+        return prepared
+
+    def _resolve(self, refs: list[ImageRef | SkillRef], tenant: str, prepared: dict[int, PreparedImage],
+                 held: list[tuple[str, str]]) -> list[_Registered | _Skill]:
+        """Every referenced image and skill. Ids are checked before anything is registered, so a
+        bad one changes nothing. Inline images are registered for this request only: the keys of
+        those it registers go to `held` (see _inline_images)."""
+        known = [self._skill(r.skill_id, tenant, r.param) if isinstance(r, SkillRef)
+                 else self._lookup(r.image_id, tenant, r.param) if r.image_id is not None else None for r in refs]
         resolved = []
-        for ref in refs:
-            if isinstance(ref, SkillRef):
-                resolved.append(("ok", self._skill(ref.skill_id, tenant, ref.param)))
-            elif ref.image_id is not None:
-                resolved.append(("ok", self._lookup(ref.image_id, tenant, ref.param)))
-            else:
-                resolved.append(("new", decode_image(ref.data, self.settings.max_image_pixels)))
-        return [self._register(x, tenant)[1] if kind == "new" else x for kind, x in resolved]
+        for i, ref in enumerate(refs):
+            if known[i] is None:
+                image_id = image_id_for(prepared[i].content_hash)
+                if (tenant, image_id) not in self._images:
+                    held.append((tenant, image_id))
+                known[i] = self._register(prepared[i], tenant, uploaded=False)[1]
+            resolved.append(known[i])
+        return resolved
+
+    @contextmanager
+    def _inline_images(self):
+        """The keys of the inline images a request registers (filled by _resolve); when it ends they
+        are forgotten (their KV stays in the LRU), unless an upload of the same image came since."""
+        held: list[tuple[str, str]] = []
+        try:
+            yield held
+        finally:
+            for key in held:
+                reg = self._images.get(key)
+                if reg is not None and not reg.uploaded:
+                    self._unregister(key)
 
     def _prompt(self, template: list[dict], refs: list[_Registered | _Skill]) -> tuple[torch.Tensor, list[tuple[int, _Registered | _Skill]]]:
         """Render the chat template and tokenize it, expanding each image placeholder to its pad
         tokens (as the processor does) and each skill marker to the skill's tokens. Returns the ids
         and (start index, reference) of every image span and skill, in order."""
         text = self._render(template)
+        self._check_reserved(text, sum(isinstance(r, _Registered) for r in refs))
         pad = self.adapter.processor.image_token
         pattern = re.compile(re.escape(pad) + "|\\ue000(\\d+)\\ue001")
         images = iter(r for r in refs if isinstance(r, _Registered))
@@ -472,11 +586,26 @@ class Engine:
             raise InvalidRequestError("the chat template did not place every image exactly once")
         return torch.tensor(ids, dtype=torch.long), spans
 
+    def _check_reserved(self, text: str, images: int) -> None:
+        """Each text part was checked alone (mmkv.messages); adjacent parts can still join into a
+        placeholder ("<|image_" + "pad|>"), so the rendered prompt may hold processor-only tokens
+        only where the template put an image."""
+        tok = self.adapter.tokenizer
+        placeholder = (tok.convert_ids_to_tokens(self.adapter.vision_start_id) + self.adapter.processor.image_token
+                       + tok.convert_ids_to_tokens(self.adapter.vision_end_id))
+        stray = PROCESSOR_ONLY.search(text.replace(placeholder, ""))
+        if stray or text.count(placeholder) != images:
+            token = stray.group(0) if stray else placeholder
+            raise InvalidRequestError(f"the rendered prompt contains the reserved token {token} outside an image part "
+                                      f"(adjacent text parts join into it); send images as image parts",
+                                      param="messages")
+
     def prompt_ids(self, messages, tenant: str = "") -> torch.Tensor:
         """The prompt's token ids [L] exactly as generate() builds them."""
         template, refs = parse_messages(messages)
-        with self._lock:
-            return self._prompt(template, self._resolve(refs, tenant))[0]
+        prepared = self._prepare_inline(refs)
+        with self._lock, self._inline_images() as held:
+            return self._prompt(template, self._resolve(refs, tenant, prepared, held))[0]
 
     def _chunk_for(self, ref: _Registered | _Skill, tenant: str) -> CachedChunk:
         return self._image_chunk(ref, tenant) if isinstance(ref, _Registered) else self._skill_chunk(ref, tenant)
@@ -500,8 +629,9 @@ class Engine:
         (chunks precompiled on a miss). For oracles, evaluations and tests."""
         template, refs = parse_messages(messages)
         policy = check_policy(rope_policy or self.settings.rope_policy)
-        with self._lock:
-            ids, spans = self._prompt(template, self._resolve(refs, tenant))
+        prepared = self._prepare_inline(refs)
+        with self._lock, self._inline_images() as held:
+            ids, spans = self._prompt(template, self._resolve(refs, tenant, prepared, held))
             return self._plan(ids, [(s, self._chunk_for(r, tenant)) for s, r in spans], policy)
 
     # ---- generation -------------------------------------------------------------------------------
@@ -546,9 +676,12 @@ class Engine:
             frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed, logprobs=logprobs,
             top_logprobs=top_logprobs)
         template, refs = parse_messages(messages)
-        with self._lock:
+        prepared = self._prepare_inline(refs)
+        with self._lock, self._inline_images() as held:
             runs_before = self._counters.vision_tower_runs
-            resolved = self._resolve(refs, tenant)
+            self._fresh.clear()  # reused counts only KV that existed before this request
+            computed_before = self._counters.prefill_tokens
+            resolved = self._resolve(refs, tenant, prepared, held)
             input_ids, spans = self._prompt(template, resolved)
             if input_ids.numel() + max_new_tokens > self.max_context:
                 raise PromptTooLongError(
@@ -565,17 +698,18 @@ class Engine:
                 prefill = prefill_full(self.adapter, input_ids, native, feats)
                 plan = SplicePlan(input_ids, native, native, [], [None] * input_ids.numel())
             fid = self._fidelity(prefill, plan) if fidelity and reuse else None
+            precompiled = self._counters.prefill_tokens - computed_before
+            reused_kinds = self._reused_by_kind(plan, prefill, self._fresh)
             self._counters.prefill_tokens += prefill.computed_tokens
-            self._counters.reused_tokens += prefill.reused_tokens
+            self._counters.reused_tokens += reused_kinds["all"]
             self._counters.requests += 1
             ids, finish, ttft, text, lps = self._decode(prefill, plan.positions, max_new_tokens, sampling, stops,
                                                         on_text, on_logprobs, should_stop, t0)
-            reused_kinds = self._reused_by_kind(plan, prefill)
             return GenerationResult(
                 text=text, token_ids=ids, finish_reason=finish,
-                usage=Usage(plan.input_ids.numel(), prefill.reused_tokens, len(ids)),
+                usage=Usage(plan.input_ids.numel(), reused_kinds["all"], len(ids)),
                 ttft_s=ttft, total_s=time.perf_counter() - t0, image_tokens_reused=reused_kinds["image"],
-                lm_tokens_computed=prefill.computed_tokens,
+                lm_tokens_computed=prefill.computed_tokens + precompiled,
                 vision_tower_runs=self._counters.vision_tower_runs - runs_before,
                 seam_tokens=seam, rope_policy=policy, reuse=reuse, prefix_tokens_reused=reused_kinds["prefix"],
                 skill_tokens_reused=reused_kinds["skill"], fidelity=fid, edit=report,
@@ -702,15 +836,20 @@ class Engine:
                 spans.append((start + inserted if start >= at else start, p.entry))
         return self._plan(torch.tensor(ids, dtype=torch.long), spans, policy), line
 
-    def _reused_by_kind(self, plan: SplicePlan, prefill: PrefillResult) -> dict[str, int]:
-        """Reused prompt tokens by kind: image pads and skill tokens whose KV was not computed
-        (whether spliced or inside a prefix-cache hit), and the prefix-cache hit itself."""
+    def _reused_by_kind(self, plan: SplicePlan, prefill: PrefillResult, fresh: set[str]) -> dict[str, int]:
+        """Prompt tokens whose KV existed before the request: all of them (usage.cached_tokens),
+        image pads and skill tokens (spliced or inside a prefix-cache hit), and the prefix-cache
+        hit. A spliced chunk that was precompiled for this request (`fresh`) was computed."""
         kinds = {p.entry.key: p.entry.kind for p in plan.placements}
-        out = {"image": 0, "skill": 0, "prefix": prefill.prefix_tokens}
+        out = {"image": 0, "skill": 0, "prefix": prefill.prefix_tokens, "all": 0}
         pad = self.adapter.image_token_id
         for a, b in prefill.reused_ranges:
             for i in range(a, b):
-                kind = kinds.get(plan.chunk_keys[i])
+                key = plan.chunk_keys[i]
+                if i >= prefill.prefix_tokens and key in fresh:
+                    continue
+                out["all"] += 1
+                kind = kinds.get(key)
                 if kind == "skill" or (kind == "image" and int(plan.input_ids[i]) == pad):
                     out[kind] += 1
         return out
@@ -817,10 +956,17 @@ class Engine:
                 "reused_tokens": c.reused_tokens,
                 "requests": c.requests,
                 "registered_images": len(self._images),
+                "image_store_bytes": self._image_store_bytes,
+                "image_store_budget_bytes": self.settings.image_store_bytes,
                 "registered_skills": len(self._skills),
             }
 
     def check_integrity(self) -> None:
-        """AssertionError unless the cache's accounting holds and every entry is well formed."""
+        """AssertionError unless the cache's accounting holds and every entry is well formed, and the
+        image store counts exactly the sources of the registered images (none of them pixel arrays
+        left over from a finished precompile)."""
         with self._lock:
             self.cache.check_integrity()
+            kept = sum(reg.source_nbytes for reg in self._images.values())
+            assert kept == self._image_store_bytes, f"image store tracks {self._image_store_bytes}, holds {kept}"
+            assert all(reg.pixel_values is None for reg in self._images.values()), "pixel_values kept after encoding"

@@ -33,8 +33,8 @@ class InvalidImageError(InvalidRequestError):
 
 
 class ImageTooLargeError(InvalidImageError):
-    """An image over the hard pixel limit (the decompression-bomb guard). Ordinary large images
-    are downscaled to max_pixels instead."""
+    """An image over the hard pixel limit (the decompression-bomb guard), or one whose tokens alone
+    fill the model's context. Ordinary large images are downscaled to max_pixels instead."""
 
     code = "image_too_large"
 
@@ -49,6 +49,14 @@ class PromptTooLongError(InvalidRequestError):
     """Prompt plus max_new_tokens exceed the model's context or the engine's limit."""
 
     code = "context_length_exceeded"
+
+
+class ImageStoreFullError(MMKVError):
+    """The engine's image store (the compact sources of uploaded images) is at its byte budget."""
+
+    http_status = 507
+    error_type = "server_error"
+    code = "image_store_full"
 
 
 class UnknownImageError(MMKVError):

@@ -1,5 +1,10 @@
 """Image decoding that mmkv does itself: bytes, PIL images or data: URLs, never a URL fetch or a
 path open. The content hash is xxh3-128 over the decoded RGB pixels and the size.
+
+A `PreparedImage` is what the engine needs of an image, made without the engine's lock
+(`Engine.prepare_image`): the hash, the vision tower's input, and a compact source to remake that
+input after an eviction (the encoded upload, or an RGB no larger than the processor's max_pixels),
+never the full-resolution RGB.
 """
 
 from __future__ import annotations
@@ -10,8 +15,9 @@ import io
 import warnings
 from dataclasses import dataclass
 
+import torch
 import xxhash
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from mmkv.errors import ImageTooLargeError, ImageURLNotAllowedError, InvalidImageError
 
@@ -25,6 +31,7 @@ class DecodedImage:
     image: Image.Image  # RGB
     content_hash: str  # 32 hex digits, xxh3-128 of (width, height, RGB bytes)
     source_bytes: int
+    encoded: bytes | None = None  # the bytes it was decoded from (None for a PIL image)
 
     @property
     def width(self) -> int:
@@ -33,6 +40,24 @@ class DecodedImage:
     @property
     def height(self) -> int:
         return self.image.height
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """An image decoded, hashed and preprocessed for the vision tower. Immutable; the engine keeps
+    `source` (counted in its image-store budget) and drops `pixel_values` once precompiled."""
+
+    content_hash: str
+    width: int  # of the decoded original
+    height: int
+    source_bytes: int  # bytes of the upload it was decoded from (0 for a PIL image)
+    source: bytes | Image.Image  # the encoded upload, or an RGB of at most max_pixels: remakes pixel_values
+    pixel_values: torch.Tensor  # [patches, channels * temporal * patch * patch], the vision tower's input
+    grid_thw: tuple[int, int, int]
+
+    @property
+    def source_nbytes(self) -> int:
+        return len(self.source) if isinstance(self.source, bytes) else self.source.width * self.source.height * 3
 
 
 def _bytes_from_data_url(url: str) -> bytes:
@@ -64,6 +89,9 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
         raise ImageTooLargeError(f"image rejected by the decompression-bomb guard: {exc}") from exc
     except ImageTooLargeError:
         raise
+    except UnidentifiedImageError as exc:  # its message names a BytesIO object, which helps no one
+        raise InvalidImageError("cannot decode image: not a PNG, JPEG, GIF, WebP or other format Pillow "
+                                "reads") from exc
     except Exception as exc:  # Pillow raises many types for corrupt data
         raise InvalidImageError(f"cannot decode image: {exc}") from exc
     return img
@@ -84,7 +112,7 @@ def decode_image(data, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> DecodedIma
     if isinstance(data, Image.Image):
         if data.width * data.height > max_pixels:
             raise ImageTooLargeError(f"image has {data.width * data.height} pixels, over the limit of {max_pixels}")
-        raw, source_bytes = data, 0
+        raw, source_bytes, encoded = data, 0, None
     else:
         if isinstance(data, str):
             data = _bytes_from_data_url(data)
@@ -93,7 +121,7 @@ def decode_image(data, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> DecodedIma
         data = bytes(data)
         if not data:
             raise InvalidImageError("image data is empty")
-        raw, source_bytes = _open(data, max_pixels), len(data)
+        raw, source_bytes, encoded = _open(data, max_pixels), len(data), data
     img = to_rgb(raw)
     w, h = img.size
     if min(w, h) < MIN_SIDE:
@@ -101,4 +129,4 @@ def decode_image(data, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> DecodedIma
     if max(w, h) / min(w, h) > MAX_ASPECT:
         raise InvalidImageError(f"image is {w}x{h}; the aspect ratio must be at most {MAX_ASPECT}:1")
     digest = xxhash.xxh3_128(f"{w}x{h}|".encode() + img.tobytes()).hexdigest()
-    return DecodedImage(img, digest, source_bytes)
+    return DecodedImage(img, digest, source_bytes, encoded)

@@ -1,10 +1,16 @@
 """The KV store: one byte budget shared by cached chunks (images, skills) and prefix blocks.
 
-Thread-safe: every public method takes the store's lock. LRU: `put` evicts least recently used
-entries until the budget holds, skipping prefix blocks that still have children (only leaves of
-the prefix tree go). An entry larger than the whole budget is not kept (the request that made
-it still uses it). Requests hold entries by reference, so eviction never breaks one in flight;
-a later miss recomputes.
+Thread-safe: every public method takes the store's lock. LRU over the leaves: `put` evicts the
+least recently used entry that has no children (chunks, and prefix blocks at the end of a chain)
+until the budget holds; an inner prefix block becomes evictable when its last child goes. Every
+operation is O(1) amortised: only leaves sit in the LRU order, so eviction never walks past inner
+blocks. An entry larger than the whole budget is not kept (the request that made it still uses
+it). Requests hold entries by reference, so eviction never breaks one in flight; a later miss
+recomputes.
+
+Entries may name `sources`: the chunk keys whose KV they contain (a prefix block holding a spliced
+image). `purge(key)` drops a chunk and everything derived from it, so a deleted image or skill
+leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -23,13 +29,20 @@ class Entry(Protocol):
     def nbytes(self) -> int: ...
 
 
+def _sources(entry: Entry) -> frozenset[str]:
+    return getattr(entry, "sources", frozenset())
+
+
 class KVStore:
     def __init__(self, budget_bytes: int):
         if budget_bytes < 0:
             raise ValueError("cache budget must be >= 0 bytes")
         self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[str, Entry] = OrderedDict()
-        self._children: Counter[str] = Counter()
+        self._entries: dict[str, Entry] = {}
+        self._leaves: OrderedDict[str, None] = OrderedDict()  # entries without children, LRU first
+        self._children: dict[str, set[str]] = {}  # only for entries that have children
+        self._derived: dict[str, set[str]] = {}  # chunk key -> keys of the entries holding its KV
+        self._kinds: Counter[str] = Counter()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits: Counter[str] = Counter()  # per kind
@@ -43,7 +56,8 @@ class KVStore:
             if entry is None:
                 self.misses[kind] += 1
                 return None
-            self._entries.move_to_end(key)
+            if key in self._leaves:
+                self._leaves.move_to_end(key)
             self.hits[kind] += 1
             return entry
 
@@ -51,6 +65,8 @@ class KVStore:
         """Store `entry`, evicting LRU leaves to fit. False if it does not fit or its parent is gone."""
         size = entry.nbytes
         with self._lock:
+            if entry.key in self._children:
+                return True  # an inner prefix block: the same key is the same content
             if entry.key in self._entries:
                 self._remove(entry.key)
             if size > self.budget_bytes:
@@ -60,34 +76,74 @@ class KVStore:
             if self._bytes + size > self.budget_bytes or (entry.parent and entry.parent not in self._entries):
                 return False
             self._entries[entry.key] = entry
+            self._leaves[entry.key] = None
             self._bytes += size
+            self._kinds[entry.kind] += 1
             if entry.parent:
-                self._children[entry.parent] += 1
+                self._leaves.pop(entry.parent, None)
+                self._children.setdefault(entry.parent, set()).add(entry.key)
+            for source in _sources(entry):
+                self._derived.setdefault(source, set()).add(entry.key)
             return True
 
     def discard(self, key: str) -> bool:
         """Remove one entry (a prefix block only if it has no children)."""
         with self._lock:
-            if key not in self._entries or self._children[key]:
+            if key not in self._entries or key in self._children:
                 return False
             self._remove(key)
             return True
 
+    def purge(self, key: str) -> int:
+        """Remove `key`, every entry whose `sources` name it, and all their descendants in the
+        prefix tree (their KV attended to it). Returns how many entries went."""
+        with self._lock:
+            return self._purge(key)
+
+    def _purge(self, key: str) -> int:
+        doomed = [k for k in (key, *self._derived.get(key, ())) if k in self._entries]
+        removed = 0
+        while doomed:
+            k = doomed.pop()
+            if k not in self._entries:
+                continue
+            kids = self._children.get(k)
+            if kids:
+                doomed.append(k)
+                doomed.extend(kids)
+                continue
+            self._remove(k)
+            removed += 1
+        return removed
+
     def _evict_one(self, protect: str | None) -> bool:
-        for key in self._entries:
-            if not self._children[key] and key != protect:
+        for key in self._leaves:  # at most two steps: only `protect` is ever skipped
+            if key != protect:
                 self._remove(key)
                 self.evictions += 1
                 return True
         return False
 
     def _remove(self, key: str) -> None:
+        """Remove a leaf. A parent left without children becomes the least recently used leaf:
+        a prefix lookup touches a block just before its child, so it was last used when its
+        last child was, and that child has just gone as the LRU leaf (or was purged)."""
         entry = self._entries.pop(key)
+        del self._leaves[key]
         self._bytes -= entry.nbytes
+        self._kinds[entry.kind] -= 1
+        for source in _sources(entry):
+            users = self._derived[source]
+            users.discard(key)
+            if not users:
+                del self._derived[source]
         if entry.parent:
-            self._children[entry.parent] -= 1
-            if not self._children[entry.parent]:
+            siblings = self._children[entry.parent]
+            siblings.discard(key)
+            if not siblings:
                 del self._children[entry.parent]
+                self._leaves[entry.parent] = None
+                self._leaves.move_to_end(entry.parent, last=False)
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
@@ -95,7 +151,7 @@ class KVStore:
 
     def count(self, kind: str) -> int:
         with self._lock:
-            return sum(1 for e in self._entries.values() if e.kind == kind)
+            return self._kinds[kind]
 
     def __len__(self) -> int:
         with self._lock:
@@ -107,18 +163,25 @@ class KVStore:
             return self._bytes
 
     def check_integrity(self) -> None:
-        """AssertionError unless bytes match the entries, fit the budget, and the prefix tree's
-        child counts match its parent links (every block's parent is present)."""
+        """AssertionError unless bytes match the entries, fit the budget, the prefix tree's child
+        sets match its parent links (every block's parent is present), the LRU order holds exactly
+        the leaves, and the per-kind counts and the sources index match the entries."""
         with self._lock:
             total = sum(e.nbytes for e in self._entries.values())
             assert total == self._bytes, f"tracked {self._bytes} bytes but entries hold {total}"
             assert self._bytes <= self.budget_bytes, f"{self._bytes} bytes over the budget {self.budget_bytes}"
-            children: Counter[str] = Counter()
+            children: dict[str, set[str]] = {}
+            derived: dict[str, set[str]] = {}
             for key, entry in self._entries.items():
                 assert key == entry.key, f"entry {entry.key} stored under {key}"
                 if entry.parent:
                     assert entry.parent in self._entries, f"block {key} lost its parent {entry.parent}"
-                    children[entry.parent] += 1
+                    children.setdefault(entry.parent, set()).add(key)
+                for source in _sources(entry):
+                    derived.setdefault(source, set()).add(key)
                 if hasattr(entry, "__post_init__"):
                     entry.__post_init__()
-            assert children == +self._children, "child counts out of step with parent links"
+            assert children == self._children, "child sets out of step with parent links"
+            assert derived == self._derived, "sources index out of step with the entries"
+            assert set(self._leaves) == set(self._entries) - set(children), "LRU order is not exactly the leaves"
+            assert +self._kinds == Counter(e.kind for e in self._entries.values()), "per-kind counts"

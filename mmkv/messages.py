@@ -8,6 +8,7 @@ from typing import Any
 from PIL import Image
 
 from mmkv.errors import InvalidRequestError
+from mmkv.images import PreparedImage
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 RESERVED_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "\ue000", "\ue001")
@@ -29,7 +30,7 @@ class ImageRef:
     """One image a prompt references: an id the tenant added, or inline data to decode."""
 
     image_id: str | None = None
-    data: Any = None  # bytes | PIL.Image | data: URL
+    data: Any = None  # bytes | PIL.Image | PreparedImage | data: URL
     param: str = ""  # where in the request it came from, for errors
 
 
@@ -97,7 +98,7 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | SkillRef]
         parts = []
         for j, part in enumerate(content):
             pparam = f"{param}.content[{j}]"
-            if isinstance(part, Image.Image):
+            if isinstance(part, (Image.Image, PreparedImage)):
                 part = {"type": "image", "image": part}
             if not isinstance(part, dict):
                 raise InvalidRequestError(f"{pparam} must be an object", param=pparam)

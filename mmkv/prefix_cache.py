@@ -20,6 +20,18 @@ from mmkv.kv_store import KVStore
 BLOCK_TOKENS = 16
 
 
+class BlockKey(str):
+    """A block's chained key that also names the chunks spliced into its tokens (`sources`): a
+    deleted image or skill purges every block holding its KV (KVStore.purge)."""
+
+    sources: frozenset[str]
+
+    def __new__(cls, key: str, sources: frozenset[str] = frozenset()) -> BlockKey:
+        obj = super().__new__(cls, key)
+        obj.sources = sources
+        return obj
+
+
 @dataclass
 class PrefixBlock:
     key: str
@@ -27,6 +39,7 @@ class PrefixBlock:
     positions: torch.Tensor  # [3, B] positions the block's keys were rotated for
     keys: tuple[torch.Tensor, ...]  # per layer [kv_heads, B, head_dim]
     values: tuple[torch.Tensor, ...]
+    sources: frozenset[str] = frozenset()  # chunk keys whose KV the block's tokens hold
     kind = "prefix"
 
     @property
@@ -35,7 +48,7 @@ class PrefixBlock:
 
 
 def block_keys(token_ids: torch.Tensor, chunk_keys: list[str | None], salt: str,
-               block: int = BLOCK_TOKENS) -> list[str]:
+               block: int = BLOCK_TOKENS) -> list[BlockKey]:
     """Chained keys of the prompt's full blocks. `chunk_keys[i]` names what token i was spliced from."""
     keys, parent = [], xxhash.xxh3_128(salt.encode()).hexdigest()
     ids = token_ids.tolist()
@@ -44,7 +57,7 @@ def block_keys(token_ids: torch.Tensor, chunk_keys: list[str | None], salt: str,
         h.update(torch.tensor(ids[start:start + block], dtype=torch.int64).numpy().tobytes())
         h.update("\x1f".join(k or "" for k in chunk_keys[start:start + block]).encode())
         parent = h.hexdigest()
-        keys.append(parent)
+        keys.append(BlockKey(parent, frozenset(k for k in chunk_keys[start:start + block] if k)))
     return keys
 
 
@@ -92,6 +105,7 @@ class PrefixCache:
                 key=keys[i], parent=keys[i - 1] if i else None, positions=positions[:, sl].clone(),
                 keys=tuple(layer.keys[0, :, sl].detach().clone() for layer in cache.layers),
                 values=tuple(layer.values[0, :, sl].detach().clone() for layer in cache.layers),
+                sources=getattr(keys[i], "sources", frozenset()),
             )
             if not self.store.put(blk):
                 break

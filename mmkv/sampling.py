@@ -168,7 +168,7 @@ def logprobs_of(x: torch.Tensor, token: int, top: int, text_of) -> TokenLogprob:
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, inverted: the printable character standing for each byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
