@@ -59,7 +59,9 @@ class RequestEdge:
                 return
             if message["type"] == "http.response.start":
                 started, status = True, message["status"]
-                message = {**message, "headers": [*message.get("headers", []), _NOSNIFF]}
+                headers = message.get("headers", [])
+                if not any(name.lower() == _NOSNIFF[0] for name, _ in headers):
+                    message = {**message, "headers": [*headers, _NOSNIFF]}
             await send(message)
 
         try:
