@@ -14,10 +14,13 @@ import binascii
 import io
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
 from PIL import Image, ImageOps, UnidentifiedImageError
+
+if TYPE_CHECKING:  # torch is only a type here: the server's light modules import this without it
+    import torch
 
 from mmkv.errors import ImageTooLargeError, ImageURLNotAllowedError, InvalidImageError
 
