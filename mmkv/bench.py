@@ -12,7 +12,7 @@ Arms, each timed up to the turn's next-token logits:
 - encoder cache + prefix caching: the same with the image's features cached (no vision tower);
 - mmkv splice k=0 / k=1: prefix KV + the cached chunk rotated into place + one forward of the
   new tokens (seam k);
-- engine (reuse) / engine (reuse=False): `Engine.generate` TTFT end to end (template, tokenizer,
+- engine (reuse): `Engine.generate` TTFT of the same turn end to end (template, tokenizer,
   hashing, prefix-cache lookup and insert included);
 - text-only turn: the same number of new tokens after a text context of the same length, served
   the same way (prefix KV copied in, one forward);
@@ -36,7 +36,8 @@ CONFIGS = ("bench", "tiny", "qwen2.5-vl-7b", "qwen3-vl-8b")
 
 def format_header(h: dict) -> str:
     m = h["model"]
-    return (f"# mmkv bench | {h['machine']} | {h['device']}, torch threads {h['threads']} | python "
+    return (f"# mmkv bench | {h['machine']} | {h['device']}, torch threads {h['threads']}, OMP_WAIT_POLICY "
+            f"{h['omp_wait_policy']} | python "
             f"{h['versions']['python']}, torch {h['versions']['torch']}, transformers {h['versions']['transformers']}\n"
             f"# model {m['id']} ({m['family']}, {m['params_m']}M params, {m['dtype']}): LM {m['lm']}; vision "
             f"{m['vision']} | medians of {h['repeats']} rounds, arms interleaved")
@@ -110,7 +111,9 @@ def bench_command(
         raise typer.BadParameter(f"expected one of {', '.join(CONFIGS)}", param_hint="--config")
     images, skills = _ints(image_tokens, "--image-tokens"), _ints(skill_tokens, "--skill-tokens")
     t0 = time.perf_counter()
-
+    # Idle OpenMP threads sleep instead of spinning: on a shared CPU spinning threads slow every
+    # multi-threaded op several-fold. Read once, when torch loads its OpenMP runtime (printed).
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     import torch
 
     from mmkv.bench_run import BenchError, build_engine, run_bench

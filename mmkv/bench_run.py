@@ -4,19 +4,15 @@ turns timed interleaved, one table per case."""
 from __future__ import annotations
 
 import io
-import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated
 
 import torch
-import typer
 from PIL import Image, ImageDraw
 
 from mmkv.bench import CONFIGS
@@ -158,36 +154,45 @@ def finish(table: Table, full: str | None, limit: str | None) -> Table:
 
 # ---- turns that every mode shares -------------------------------------------------------------------
 class TextContext:
-    """A text-only prompt of `length` tokens with its KV: the limit (one forward of the last q tokens
-    over the first n - q already in place) and the text-only turn (those n - q copied in, then one
-    forward), for any n <= length."""
+    """A text-only prompt with its KV, for turns of n tokens of which q are new: the limit (one
+    forward of the last q tokens over the first n - q already in place) and the text-only turn
+    (those n - q copied in, then one forward). The prompt grows, untimed, as cases need."""
 
-    def __init__(self, adapter, length: int):
+    def __init__(self, adapter):
+        self.adapter = adapter
+        self.words = adapter.tokenizer("the quick brown fox jumps over the lazy dog . ")["input_ids"]
+        self.length = 0
+
+    def _ensure(self, n: int) -> None:
         from mmkv.splice import prefill_full
 
-        words = adapter.tokenizer("the quick brown fox jumps over the lazy dog . ")["input_ids"]
-        self.adapter = adapter
-        self.ids = torch.tensor((words * (length // len(words) + 1))[:length])
-        self.pos = torch.arange(length).expand(3, length)
-        self.load = _kv_loader(adapter, prefill_full(adapter, self.ids, self.pos, None).cache)
+        if n <= self.length:
+            return
+        self.length = n + 512
+        self.ids = torch.tensor((self.words * (self.length // len(self.words) + 1))[:self.length])
+        self.pos = torch.arange(self.length).expand(3, self.length)
+        self.load = _kv_loader(self.adapter, prefill_full(self.adapter, self.ids, self.pos, None).cache)
 
     def limit(self, n: int, q: int) -> Callable[[], tuple[float, int]]:
         from mmkv.splice import forward_into_slots, preallocate
 
+        self._ensure(n)
         cache = self.load(n - q)
         layers = preallocate(self.adapter, cache, n - q, n)
-        index = torch.arange(n - q, n)
+        ids, pos, index = self.ids[:n], self.pos[:, :n], torch.arange(n - q, n)
 
         def turn() -> int:
-            forward_into_slots(self.adapter, cache, layers, self.ids, self.pos, index)
+            forward_into_slots(self.adapter, cache, layers, ids, pos, index)
             return q
         return timed(turn)
 
     def text_only(self, n: int, q: int) -> Callable[[], tuple[float, int]]:
         from mmkv.splice import prefill_spliced
 
-        return timed(lambda: prefill_spliced(self.adapter, self.ids[:n], self.pos[:, :n], [], SEAM,
-                                             cache=self.load(n - q), start=n - q).computed_tokens)
+        self._ensure(n)
+        ids, pos, load = self.ids[:n], self.pos[:, :n], self.load
+        return timed(lambda: prefill_spliced(self.adapter, ids, pos, [], SEAM, cache=load(n - q),
+                                             start=n - q).computed_tokens)
 
 
 def _block_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -242,11 +247,9 @@ def chunk_arms(engine, messages: Callable[[int], list], text: TextContext, visio
         return lambda: prefill_spliced(ad, ids, plan.positions, plan.placements, k, cache=load(hit),
                                        start=hit).computed_tokens
 
-    def engine_turn(reuse: bool) -> Callable[[], tuple[float, int]]:
-        def run():
-            r = engine.generate(messages(next(counter)), max_new_tokens=1, reuse=reuse)
-            return r.ttft_s, r.lm_tokens_computed
-        return run
+    def engine_turn() -> tuple[float, int]:
+        r = engine.generate(messages(next(counter)), max_new_tokens=1)
+        return r.ttft_s, r.lm_tokens_computed
 
     counter = iter(range(1, 1 << 30))
     q = splice(SEAM)()
@@ -255,7 +258,7 @@ def chunk_arms(engine, messages: Callable[[int], list], text: TextContext, visio
     if vision:
         arms.append(Arm("encoder cache + prefix caching", timed(exact_prefix(lambda: feats))))
     arms += [Arm("mmkv splice k=0", timed(splice(0))), Arm("mmkv splice k=1", timed(splice(1))),
-             Arm("engine (reuse)", engine_turn(True)), Arm("engine (reuse=False)", engine_turn(False), runs_tower),
+             Arm("engine (reuse)", engine_turn),
              Arm("text-only turn", text.text_only(n, q)), Arm("limit", text.limit(n, q))]
     return arms, {"prefix_hit_tokens": hit, "chunk_tokens": entry.num_tokens, "new_tokens": q}
 
@@ -434,7 +437,8 @@ def header(engine, threads: int, repeats: int) -> dict:
     dev = ad.device
     return {
         "machine": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{_cpu_name()}, {os.cpu_count()} cores",
-        "device": str(dev), "threads": threads, "repeats": repeats,
+        "device": str(dev), "threads": threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        "repeats": repeats,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "model": {"id": engine.model_id, "family": ad.family, "dtype": str(ad.dtype).removeprefix("torch."),
@@ -452,9 +456,7 @@ def run_bench(engine, modes: list[str], repeats: int, threads: int, image_tokens
     bytes figures as they are measured. Returns them all (the --json report)."""
     report = header(engine, threads, repeats)
     show("header", report)
-    longest = max([t + 96 for t in image_tokens if "image" in modes] + [t + 160 for t in skill_tokens if "skill" in modes]
-                  + [policy_tokens + 64 * turns + 256 if "errata" in modes else 0])
-    text = TextContext(engine.adapter, longest) if longest else None
+    text = TextContext(engine.adapter)
     report["tables"] = []
     cases = [(bench_image, n) for n in image_tokens if "image" in modes]
     cases += [(bench_skill, n) for n in skill_tokens if "skill" in modes]

@@ -205,18 +205,27 @@ def prefill_spliced(adapter: VLAdapter, input_ids: torch.Tensor, positions: torc
         place_chunk(layers, p, first, stop, adapter.rope, rotate)
         reused.append((p.start + first, p.start + stop))
     index = torch.cat([torch.arange(a, b) for a, b in layout.computed])  # [Q] prompt indices, ascending
+    logits = forward_into_slots(adapter, cache, layers, input_ids, positions, index,
+                                _features(placements, layout.computed))
+    return PrefillResult(cache, logits, index.numel(), sum(b - a for a, b in reused), reused, start)
+
+
+def forward_into_slots(adapter: VLAdapter, cache: DynamicCache, layers: list[SlotLayer], input_ids: torch.Tensor,
+                       positions: torch.Tensor, index: torch.Tensor, features: ImageFeatures | None = None) -> torch.Tensor:
+    """One LM forward of the prompt tokens at `index` [Q] (ascending) of `input_ids` [L] /
+    `positions` [3, L]: each sees every slot up to its own index (causal by prompt index) and its
+    KV goes into its slot of the preallocated `layers`. Returns last-token logits [1, V]."""
+    total = layers[0].keys.shape[-2]
     mask = torch.zeros(index.numel(), total, dtype=adapter.dtype)
-    mask.masked_fill_(torch.arange(total)[None, :] > index[:, None], float("-inf"))  # causal by prompt index
+    mask.masked_fill_(torch.arange(total)[None, :] > index[:, None], float("-inf"))
     slots = index.to(adapter.device)
     for layer in layers:
         layer.slots = slots
     try:
-        logits = adapter.forward(input_ids[index], positions[:, index], cache, _features(placements, layout.computed),
-                                 attention_mask=mask[None, None])
+        return adapter.forward(input_ids[index], positions[:, index], cache, features, attention_mask=mask[None, None])
     finally:
         for layer in layers:
             layer.slots = None
-    return PrefillResult(cache, logits, index.numel(), sum(b - a for a, b in reused), reused, start)
 
 
 def prefill_full(adapter: VLAdapter, input_ids: torch.Tensor, positions: torch.Tensor,
