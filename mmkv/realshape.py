@@ -26,6 +26,9 @@ from pathlib import Path
 
 import torch
 
+# Qwen2-VL-*-Instruct's and Qwen2.5-VL-*-Instruct's chat_template.json (one text for both: default
+# system turn "You are a helpful assistant.", "Picture N: " / "Video N: " under add_vision_id); the
+# tiny models already use it verbatim.
 from mmkv.tiny import CHAT_TEMPLATE as QWEN2_VL_CHAT_TEMPLATE
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "samples" / "tokenizers" / "qwen"
@@ -122,7 +125,6 @@ class ReleasedCheckpoint:
     """One released Instruct checkpoint and the narrow, shallow config that mirrors it."""
 
     repo_id: str
-    model_type: str
     text: dict  # text_config
     vision: dict  # vision_config
     tie_word_embeddings: bool
@@ -143,7 +145,7 @@ _QWEN2_PREPROCESSOR = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size":
 RELEASED: dict[str, ReleasedCheckpoint] = {
     # Qwen2-VL-2B-Instruct: 12 heads / 2 KV, tied embeddings, vocab 151936.
     "qwen2_vl": ReleasedCheckpoint(
-        repo_id="Qwen/Qwen2-VL-2B-Instruct", model_type="qwen2_vl",
+        repo_id="Qwen/Qwen2-VL-2B-Instruct",
         text=dict(vocab_size=151936, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32768, rms_norm_eps=1e-6,
                   hidden_act="silu", tie_word_embeddings=True, use_sliding_window=False,
@@ -156,7 +158,7 @@ RELEASED: dict[str, ReleasedCheckpoint] = {
     # Qwen2.5-VL-7B-Instruct: 28 heads / 4 KV, untied, vocab 152064; vision window 112 px with
     # full attention every 8th block (released [7, 15, 23, 31]; here every 2nd of 4).
     "qwen2_5_vl": ReleasedCheckpoint(
-        repo_id="Qwen/Qwen2.5-VL-7B-Instruct", model_type="qwen2_5_vl",
+        repo_id="Qwen/Qwen2.5-VL-7B-Instruct",
         text=dict(vocab_size=152064, hidden_size=256, intermediate_size=1024, num_hidden_layers=3,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128000, rms_norm_eps=1e-6,
                   hidden_act="silu", tie_word_embeddings=False, use_sliding_window=False,
@@ -170,7 +172,7 @@ RELEASED: dict[str, ReleasedCheckpoint] = {
     # Qwen3-VL-8B-Instruct: 32 heads / 8 KV of head_dim 128, untied, vocab 151936, interleaved
     # mrope [24, 20, 20] at theta 5e6; deepstack from 3 vision blocks (released [8, 16, 24] of 27).
     "qwen3_vl": ReleasedCheckpoint(
-        repo_id="Qwen/Qwen3-VL-8B-Instruct", model_type="qwen3_vl",
+        repo_id="Qwen/Qwen3-VL-8B-Instruct",
         text=dict(vocab_size=151936, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=1, head_dim=128, max_position_embeddings=262144,
                   rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, tie_word_embeddings=False,
@@ -341,7 +343,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown family {', '.join(unknown)}; expected {', '.join(RELEASED)}")
     for family in args.families or RELEASED:
-        print(f"{RELEASED[family].repo_id}: {save_real_checkpoint(family, args.hub_cache.expanduser(), seed=args.seed)}")
+        snapshot = save_real_checkpoint(family, args.hub_cache.expanduser(), seed=args.seed)
+        print(f"{RELEASED[family].repo_id}: {snapshot}")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,9 @@ SPLICE_TOL = {torch.float32: 1e-4, torch.bfloat16: 8e-2, torch.float16: 1e-2}
 # ---- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    """A hub cache holding the three real-shape checkpoints and a YaRN variant, as HF_HUB_CACHE."""
+    """A hub cache holding the three real-shape checkpoints and a YaRN variant, as HF_HUB_CACHE.
+    initializer_range 0.05 (released models train from 0.02): random weights that attend by position
+    enough for a wrong rotation to show (the no-rotation control below must fail)."""
     root = tmp_path_factory.mktemp("hub")
     for fam in FAMILIES:
         save_real_checkpoint(fam, root, seed=1, initializer_range=0.05)
