@@ -5,8 +5,9 @@ Life of a request (docs/structure.md): parse messages -> decode/hash images -> r
 template -> lookup each chunk's KV (precompile on a miss) -> reposition -> prefix-cache lookup
 -> edit policy -> splice -> seam repair -> prefill the text -> decode -> stream text deltas.
 
-Thread-safety: every public method takes the engine's lock, so calls from several threads are
-serialised; the HTTP server still runs one worker that owns the engine.
+Thread-safety: every public method but `prepare_image` takes the engine's lock, so calls from
+several threads are serialised; the HTTP server still runs one worker that owns the engine and
+prepares images (decode, hash, resize) in a thread pool before they reach it.
 """
 
 from __future__ import annotations
