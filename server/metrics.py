@@ -67,6 +67,9 @@ class _EngineStatsCollector:
             if key in stats:
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                 yield family(name, doc, value=float(stats[key]))
+        if "image_cache_hits" in stats:  # the RAM tier's chunk lookups: images and skills
+            stats = {**stats, "ram_hits": stats["image_cache_hits"] + stats.get("skill_cache_hits", 0),
+                     "ram_misses": stats.get("image_cache_misses", 0) + stats.get("skill_cache_misses", 0)}
         for key, (name, doc) in _TIER_METRICS.items():
             family = CounterMetricFamily(name, doc, labels=["tier"])
             for tier in ("ram", "disk", "redis"):
