@@ -42,6 +42,7 @@ from mmkv.edits import (
     parse_edit_policy,
     prefill_edited,
 )
+from mmkv.fingerprint import content_digest, durable_key, image_source_digest, model_fingerprint
 from mmkv.errors import (
     ImageStoreFullError,
     ImageTooLargeError,
@@ -60,6 +61,7 @@ from mmkv.prefix_cache import PrefixCache, block_keys
 from mmkv.rerotate import POLICIES, target_positions
 from mmkv.sampling import Sampler, SamplingParams, TokenLogprob, TokenTexts, logprobs_of
 from mmkv.splice import Placement, PrefillResult, precompile_chunk, precompile_image, prefill_full, prefill_spliced
+from mmkv.tiers import StoreConfig, Tiers
 
 log = logging.getLogger("mmkv.engine")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -249,7 +251,8 @@ def image_id_for(content_hash: str) -> str:
 
 
 class Engine:
-    def __init__(self, adapter: VLAdapter, settings: EngineSettings | None = None, model_id: str | None = None):
+    def __init__(self, adapter: VLAdapter, settings: EngineSettings | None = None, model_id: str | None = None,
+                 store: StoreConfig | None = None):
         self.adapter = adapter
         self.settings = settings or EngineSettings()
         self.model_id = model_id or adapter.config.name_or_path or adapter.family
@@ -262,7 +265,7 @@ class Engine:
         self._image_store_bytes = 0  # sources of every registered image
         self._fresh: set[str] = set()  # chunk keys precompiled since the current request began
         self._counters = _Counters()
-        self.fingerprint = xxhash.xxh3_128(adapter.fingerprint_source().encode()).hexdigest()
+        self.fingerprint = model_fingerprint(adapter)  # SHA-256: config, dtype, weights, tokenizer, template, processor
         ip = adapter.processor.image_processor
         self.grid_settings = f"{ip.size}|patch={ip.patch_size}|merge={ip.merge_size}"
         self.anchor_ids = self._anchor_ids() if self.settings.anchor == "system" else torch.empty(0, dtype=torch.long)
@@ -274,14 +277,20 @@ class Engine:
         self.token_texts = TokenTexts(adapter.tokenizer)
         limit = adapter.text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context or limit, limit)
+        # Disk and shared tiers under the RAM store (None: RAM only); their uploads and skills come back.
+        self.tiers = Tiers.open(store, self.fingerprint, adapter.num_layers, adapter.dtype, adapter.device)
+        self._restore()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path | None = None, dtype: torch.dtype | str | None = None,
                         device: str | None = None, seam_tokens: int = 1, rope_policy: str = "native",
                         cache_bytes: int = 2 << 30, min_pixels: int | None = None, max_pixels: int | None = None,
+                        store_dir: str | Path | None = None, store_bytes: int = 20 << 30, redis_url: str | None = None,
                         **settings) -> Engine:
         """Load a local checkpoint dir or a hub id in the local hub cache (None = the bundled sample
-        model) and wrap it. `dtype`: float32 / bfloat16 / float16; `device`: cpu / cuda / cuda:N."""
+        model) and wrap it. `dtype`: float32 / bfloat16 / float16; `device`: cpu / cuda / cuda:N.
+        `store_dir` (a directory, or "auto": ~/.cache/mmkv/<fingerprint>) adds the disk tier with
+        `store_bytes` of chunk KV, `redis_url` the shared tier (mmkv/tiers.py); neither: RAM only."""
         if model_dir is None:
             if not BUNDLED_MODEL.is_dir():
                 raise ModelLoadError(f"no model directory given and the bundled model {BUNDLED_MODEL} is missing; "
@@ -296,7 +305,8 @@ class Engine:
             size["longest_edge"] = max_pixels if max_pixels is not None else size["longest_edge"]
             ip.size = size
         cfg = EngineSettings(seam_tokens=seam_tokens, rope_policy=rope_policy, cache_bytes=cache_bytes, **settings)
-        return cls(adapter, cfg, model_id=resolved.model_id)
+        store = StoreConfig(Path(store_dir) if store_dir is not None else None, store_bytes, redis_url)
+        return cls(adapter, cfg, model_id=resolved.model_id, store=store)
 
     # ---- setup ---------------------------------------------------------------------------------
     def _render(self, template_messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -390,6 +400,7 @@ class Engine:
             image_id, reg = self._register(prepared, tenant, uploaded=True)
             self._image_chunk(reg, tenant)
             reg.pixel_values = None  # also when its KV was already cached: the source remakes it on a miss
+            self._persist_image(image_id, reg, tenant)
             return image_id
 
     def image_info(self, image_id: str, tenant: str = "") -> ImageInfo:
@@ -405,6 +416,9 @@ class Engine:
             reg = self._lookup(image_id, tenant)
             self.cache.purge(self._image_key(reg, tenant))
             self._unregister((tenant, image_id))
+            if self.tiers is not None:
+                self.tiers.purge(self._durable_key("image", image_source_digest(reg.source), tenant))
+                self.tiers.registry.remove("image", tenant, image_id)
 
     def _register(self, image: PreparedImage, tenant: str, uploaded: bool) -> tuple[str, _Registered]:
         image_id = image_id_for(image.content_hash)
@@ -424,10 +438,17 @@ class Engine:
         self._image_store_bytes -= self._images.pop(key).source_nbytes
 
     def _lookup(self, image_id: str, tenant: str, param: str | None = None) -> _Registered:
-        reg = self._images.get((tenant, image_id))
+        reg = self._images.get((tenant, image_id)) or self._fetch("image", image_id, tenant)
         if reg is None:
             raise UnknownImageError(f"no image with id {image_id!r}", param=param)
         return reg
+
+    def _fetch(self, kind: str, id_: str, tenant: str) -> _Registered | _Skill | None:
+        """An upload or skill this engine does not hold but the durable tiers do (another server's)."""
+        rec = self.tiers.registry.get(kind, tenant, id_) if self.tiers is not None else None
+        if rec is None:
+            return None
+        return self._adopt_image(rec) if kind == "image" else self._adopt_skill(rec)
 
     def _image_key(self, reg: _Registered, tenant: str) -> str:
         return chunk_cache_key("image", reg.content_hash, self.fingerprint, self.grid_settings,
@@ -445,11 +466,22 @@ class Engine:
         reg.pixel_values = None
         return features
 
-    def _cached_chunk(self, key: str, kind: str, precompile: Callable[[], CachedChunk]) -> CachedChunk:
-        """The chunk under `key`; on a miss `precompile()` builds it (counted) and it is stored."""
+    def _cached_chunk(self, key: str, kind: str, precompile: Callable[[], CachedChunk],
+                      durable: Callable[[], str] | None = None) -> CachedChunk:
+        """The chunk under `key`; on a RAM miss the lower tiers are asked (under the durable key
+        `durable()` gives: mmkv/tiers.py), and only then `precompile()` builds it (counted, stored,
+        written through to the tiers)."""
         entry = self.cache.get(key, kind)
+        stored = durable() if entry is None and self.tiers is not None and durable is not None else None
+        if stored is not None:
+            loaded = self.tiers.load(stored, key, kind)
+            if loaded is not None:
+                entry = loaded[0]
+                self.cache.put(entry)
         if entry is None:
             entry = precompile()
+            if stored is not None:
+                self.tiers.store(stored, entry)
             self._counters.prefill_tokens += self.anchor_ids.numel() + entry.num_tokens
             self._fresh.add(key)
             self.cache.put(entry)
@@ -459,7 +491,8 @@ class Engine:
         """The image's cached KV, precompiled (vision tower + isolated LM prefill) on a miss."""
         key = self._image_key(reg, tenant)
         return self._cached_chunk(key, "image", lambda: precompile_image(
-            self.adapter, self._encode(reg), reg.grid_thw, key, self.anchor_ids))
+            self.adapter, self._encode(reg), reg.grid_thw, key, self.anchor_ids),
+            durable=lambda: self._durable_key("image", image_source_digest(reg.source), tenant))
 
     # ---- skills ----------------------------------------------------------------------------------
     def add_skill(self, name: str, text: str, tenant: str = "") -> str:
@@ -480,6 +513,10 @@ class Engine:
                 info = SkillInfo(skill_id, name, token_ids.numel(), int(time.time()))
                 self._skills[(tenant, skill_id)] = _Skill(info, token_ids)
             self._skill_chunk(self._skills[(tenant, skill_id)], tenant)
+            if self.tiers is not None:
+                info = self._skills[(tenant, skill_id)].info
+                self.tiers.registry.put("skill", tenant, skill_id,
+                                        {"name": info.name, "text": text, "created_at": info.created_at})
             return skill_id
 
     def skill_info(self, skill_id: str, tenant: str = "") -> SkillInfo:
@@ -488,6 +525,10 @@ class Engine:
 
     def list_skills(self, tenant: str = "") -> list[SkillInfo]:
         with self._lock:
+            if self.tiers is not None:  # skills another server added to the shared tier
+                for skill_id in self.tiers.registry.shared_ids("skill", tenant):
+                    if (tenant, skill_id) not in self._skills:
+                        self._fetch("skill", skill_id, tenant)
             return [s.info for (t, _), s in self._skills.items() if t == tenant]
 
     def remove_skill(self, skill_id: str, tenant: str = "") -> None:
@@ -495,9 +536,12 @@ class Engine:
             skill = self._skill(skill_id, tenant)
             self.cache.purge(self._skill_key(skill, tenant))
             del self._skills[(tenant, skill_id)]
+            if self.tiers is not None:
+                self.tiers.purge(self._durable_key("skill", content_digest(skill.token_ids.numpy().tobytes()), tenant))
+                self.tiers.registry.remove("skill", tenant, skill_id)
 
     def _skill(self, skill_id: str, tenant: str, param: str | None = None) -> _Skill:
-        skill = self._skills.get((tenant, skill_id))
+        skill = self._skills.get((tenant, skill_id)) or self._fetch("skill", skill_id, tenant)
         if skill is None:
             raise UnknownSkillError(f"no skill with id {skill_id!r}", param=param)
         return skill
@@ -508,7 +552,52 @@ class Engine:
     def _skill_chunk(self, skill: _Skill, tenant: str) -> CachedChunk:
         key = self._skill_key(skill, tenant)
         return self._cached_chunk(key, "skill", lambda: precompile_chunk(
-            self.adapter, "skill", skill.token_ids, key, self.anchor_ids))
+            self.adapter, "skill", skill.token_ids, key, self.anchor_ids),
+            durable=lambda: self._durable_key("skill", content_digest(skill.token_ids.numpy().tobytes()), tenant))
+
+    # ---- durable tiers: keys, records of uploads and skills (mmkv/tiers.py) ----------------------
+    def _durable_key(self, kind: str, digest: str, tenant: str) -> str:
+        grid = self.grid_settings if kind == "image" else ""
+        return durable_key(kind, digest, self.fingerprint, grid, self.settings.anchor, tenant)
+
+    def _restore(self) -> None:
+        """Register the uploads and skills the disk tier holds; their KV loads on first use."""
+        if self.tiers is None:
+            return
+        for rec in self.tiers.registry.local("image"):
+            self._adopt_image(rec)
+        for rec in self.tiers.registry.local("skill"):
+            self._adopt_skill(rec)
+
+    def _persist_image(self, image_id: str, reg: _Registered, tenant: str) -> None:
+        if self.tiers is None:
+            return
+        src = reg.source
+        meta = {"content_hash": reg.content_hash, "width": reg.width, "height": reg.height,
+                "source_bytes": reg.source_bytes, "grid_thw": list(reg.grid_thw),
+                "rgb": None if isinstance(src, bytes) else [src.width, src.height]}
+        self.tiers.registry.put("image", tenant, image_id, meta, src if isinstance(src, bytes) else src.tobytes())
+
+    def _adopt_image(self, rec) -> _Registered | None:
+        """A stored upload registered again (None when the image store has no room left)."""
+        m = rec.meta
+        source = rec.blob if m["rgb"] is None else Image.frombytes("RGB", tuple(m["rgb"]), rec.blob)
+        if self._image_store_bytes + len(rec.blob) > self.settings.image_store_bytes:
+            log.warning("image store full: stored upload %s not restored", rec.id)
+            return None
+        reg = _Registered(content_hash=m["content_hash"], width=m["width"], height=m["height"],
+                          source_bytes=m["source_bytes"], source=source, source_nbytes=len(rec.blob),
+                          grid_thw=tuple(m["grid_thw"]), pixel_values=None, uploaded=True)
+        self._images[(rec.tenant, rec.id)] = reg
+        self._image_store_bytes += reg.source_nbytes
+        return reg
+
+    def _adopt_skill(self, rec) -> _Skill:
+        m = rec.meta
+        token_ids = self._tokenize(m["text"])
+        skill = self._skills[(rec.tenant, rec.id)] = _Skill(SkillInfo(rec.id, m["name"], token_ids.numel(),
+                                                                      m["created_at"]), token_ids)
+        return skill
 
     # ---- prompts ---------------------------------------------------------------------------------
     def _prepare_inline(self, refs: list[ImageRef | SkillRef]) -> dict[int, PreparedImage]:
@@ -960,6 +1049,8 @@ class Engine:
                 "image_store_bytes": self._image_store_bytes,
                 "image_store_budget_bytes": self.settings.image_store_bytes,
                 "registered_skills": len(self._skills),
+                "ram_evictions": self.cache.evictions,  # per tier, as the tiers' stats below
+                **(self.tiers.stats() if self.tiers is not None else {}),
             }
 
     def check_integrity(self) -> None:
