@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -60,6 +60,7 @@ from mmkv.messages import ImageRef, SkillRef, erratum_line, parse_messages
 from mmkv.prefix_cache import PrefixCache, block_keys
 from mmkv.rerotate import POLICIES, target_positions
 from mmkv.sampling import Sampler, SamplingParams, TokenLogprob, TokenTexts, logprobs_of
+from mmkv.tools import ContentFilter, ToolCall, ToolSpec, check_tools, template_supports_tools
 from mmkv.splice import Placement, PrefillResult, precompile_chunk, precompile_image, prefill_full, prefill_spliced
 from mmkv.tiers import StoreConfig, Tiers
 
@@ -194,6 +195,7 @@ class GenerationResult:
     edit: EditReport | None = None
     first_logits: torch.Tensor | None = None  # [V] float32, next-token logits after the prompt
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids when asked for
+    tool_calls: list[ToolCall] = field(default_factory=list)  # parsed from `<tool_call>` blocks (then not in text)
 
 
 @dataclass
@@ -309,10 +311,20 @@ class Engine:
         return cls(adapter, cfg, model_id=resolved.model_id, store=store)
 
     # ---- setup ---------------------------------------------------------------------------------
-    def _render(self, template_messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.adapter.processor.apply_chat_template(
-            template_messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+    def _render(self, template_messages: list[dict], add_generation_prompt: bool = True,
+                tools: ToolSpec | None = None) -> str:
+        """The chat template's text; with `tools`, rendered by the template and, for a forced
+        tool choice, the assistant turn already opened with the call (mmkv.tools)."""
+        text = self.adapter.processor.apply_chat_template(
+            template_messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **({"tools": list(tools.tools)} if tools else {}))
+        return text + (tools.forced_prefix() if tools and add_generation_prompt else "")
+
+    def _tool_spec(self, tools, tool_choice) -> ToolSpec | None:
+        spec = check_tools(tools, tool_choice)
+        if spec and not template_supports_tools(self.adapter.processor.chat_template):
+            raise InvalidRequestError("this model's chat template does not render tools", param="tools")
+        return spec
 
     def _anchor_ids(self) -> torch.Tensor:
         """The chat template's default header up to a first-turn image: the tokens an image
@@ -413,12 +425,14 @@ class Engine:
         """Drop an image's source and everything derived from it: its cached KV and every prefix
         block holding that KV (and the blocks after them)."""
         with self._lock:
-            reg = self._lookup(image_id, tenant)
-            self.cache.purge(self._image_key(reg, tenant))
-            self._unregister((tenant, image_id))
-            if self.tiers is not None:
-                self.tiers.purge(self._durable_key("image", image_source_digest(reg.source), tenant))
-                self.tiers.registry.remove("image", tenant, image_id)
+            self._purge_image(image_id, self._lookup(image_id, tenant), tenant)
+
+    def _purge_image(self, image_id: str, reg: _Registered, tenant: str) -> None:
+        self.cache.purge(self._image_key(reg, tenant))
+        self._unregister((tenant, image_id))
+        if self.tiers is not None:
+            self.tiers.purge(self._durable_key("image", image_source_digest(reg.source), tenant))
+            self.tiers.registry.remove("image", tenant, image_id)
 
     def _register(self, image: PreparedImage, tenant: str, uploaded: bool) -> tuple[str, _Registered]:
         image_id = image_id_for(image.content_hash)
@@ -439,6 +453,9 @@ class Engine:
 
     def _lookup(self, image_id: str, tenant: str, param: str | None = None) -> _Registered:
         reg = self._images.get((tenant, image_id)) or self._fetch("image", image_id, tenant)
+        if reg is not None and self.tiers is not None and self.tiers.registry.gone("image", tenant, image_id):
+            self._purge_image(image_id, reg, tenant)  # deleted on another server
+            reg = None
         if reg is None:
             raise UnknownImageError(f"no image with id {image_id!r}", param=param)
         return reg
@@ -533,15 +550,20 @@ class Engine:
 
     def remove_skill(self, skill_id: str, tenant: str = "") -> None:
         with self._lock:
-            skill = self._skill(skill_id, tenant)
-            self.cache.purge(self._skill_key(skill, tenant))
-            del self._skills[(tenant, skill_id)]
-            if self.tiers is not None:
-                self.tiers.purge(self._durable_key("skill", content_digest(skill.token_ids.numpy().tobytes()), tenant))
-                self.tiers.registry.remove("skill", tenant, skill_id)
+            self._purge_skill(skill_id, self._skill(skill_id, tenant), tenant)
+
+    def _purge_skill(self, skill_id: str, skill: _Skill, tenant: str) -> None:
+        self.cache.purge(self._skill_key(skill, tenant))
+        del self._skills[(tenant, skill_id)]
+        if self.tiers is not None:
+            self.tiers.purge(self._durable_key("skill", content_digest(skill.token_ids.numpy().tobytes()), tenant))
+            self.tiers.registry.remove("skill", tenant, skill_id)
 
     def _skill(self, skill_id: str, tenant: str, param: str | None = None) -> _Skill:
         skill = self._skills.get((tenant, skill_id)) or self._fetch("skill", skill_id, tenant)
+        if skill is not None and self.tiers is not None and self.tiers.registry.gone("skill", tenant, skill_id):
+            self._purge_skill(skill_id, skill, tenant)  # deleted on another server
+            skill = None
         if skill is None:
             raise UnknownSkillError(f"no skill with id {skill_id!r}", param=param)
         return skill
@@ -564,10 +586,15 @@ class Engine:
         """Register the uploads and skills the disk tier holds; their KV loads on first use."""
         if self.tiers is None:
             return
-        for rec in self.tiers.registry.local("image"):
-            self._adopt_image(rec)
-        for rec in self.tiers.registry.local("skill"):
-            self._adopt_skill(rec)
+        registry = self.tiers.registry
+        for rec in registry.local("image"):
+            reg = self._adopt_image(rec)
+            if reg is not None and registry.gone("image", rec.tenant, rec.id):  # deleted on another server
+                self._purge_image(rec.id, reg, rec.tenant)
+        for rec in registry.local("skill"):
+            skill = self._adopt_skill(rec)
+            if registry.gone("skill", rec.tenant, rec.id):
+                self._purge_skill(rec.id, skill, rec.tenant)
 
     def _persist_image(self, image_id: str, reg: _Registered, tenant: str) -> None:
         if self.tiers is None:
@@ -646,11 +673,12 @@ class Engine:
                 if reg is not None and not reg.uploaded:
                     self._unregister(key)
 
-    def _prompt(self, template: list[dict], refs: list[_Registered | _Skill]) -> tuple[torch.Tensor, list[tuple[int, _Registered | _Skill]]]:
+    def _prompt(self, template: list[dict], refs: list[_Registered | _Skill],
+                tools: ToolSpec | None = None) -> tuple[torch.Tensor, list[tuple[int, _Registered | _Skill]]]:
         """Render the chat template and tokenize it, expanding each image placeholder to its pad
         tokens (as the processor does) and each skill marker to the skill's tokens. Returns the ids
         and (start index, reference) of every image span and skill, in order."""
-        text = self._render(template)
+        text = self._render(template, tools=tools)
         self._check_reserved(text, sum(isinstance(r, _Registered) for r in refs))
         pad = self.adapter.processor.image_token
         pattern = re.compile(re.escape(pad) + "|\\ue000(\\d+)\\ue001")
@@ -690,12 +718,14 @@ class Engine:
                                       f"(adjacent text parts join into it); send images as image parts",
                                       param="messages")
 
-    def prompt_ids(self, messages, tenant: str = "") -> torch.Tensor:
+    def prompt_ids(self, messages, tenant: str = "", tools: list[dict] | None = None,
+                   tool_choice: str | dict | None = None) -> torch.Tensor:
         """The prompt's token ids [L] exactly as generate() builds them."""
+        tool_spec = self._tool_spec(tools, tool_choice)
         template, refs = parse_messages(messages)
         prepared = self._prepare_inline(refs)
         with self._lock, self._inline_images() as held:
-            return self._prompt(template, self._resolve(refs, tenant, prepared, held))[0]
+            return self._prompt(template, self._resolve(refs, tenant, prepared, held), tool_spec)[0]
 
     def _chunk_for(self, ref: _Registered | _Skill, tenant: str) -> CachedChunk:
         return self._image_chunk(ref, tenant) if isinstance(ref, _Registered) else self._skill_chunk(ref, tenant)
@@ -732,7 +762,8 @@ class Engine:
                  fidelity: bool = False, edit_policy: str | None = None, top_k: int = 0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  logit_bias: dict[int, float] | None = None, logprobs: bool = False, top_logprobs: int = 0,
-                 on_logprobs: Callable[[list[TokenLogprob]], None] | None = None) -> GenerationResult:
+                 on_logprobs: Callable[[list[TokenLogprob]], None] | None = None, tools: list[dict] | None = None,
+                 tool_choice: str | dict | None = None) -> GenerationResult:
         """Answer OpenAI-shaped `messages`. `reuse=False` is the reference: one full causal forward.
 
         With reuse, images and skills are spliced from their cached KV and the longest cached
@@ -753,6 +784,10 @@ class Engine:
         text forms the next `on_text` delta just before that call, and once more at the end for
         tokens that produced no text: each token exactly once. Bad values raise
         InvalidRequestError with the parameter's name as `param`.
+
+        `tools` / `tool_choice` (OpenAI's function tools, mmkv.tools) render through the chat
+        template (refused when it has no tool support); `<tool_call>` blocks in the answer become
+        `result.tool_calls` (finish_reason "tool_calls") and never reach `on_text`.
         """
         t0 = time.perf_counter()
         seam = check_seam_tokens(self.settings.seam_tokens if seam_tokens is None else seam_tokens)
@@ -765,6 +800,7 @@ class Engine:
             self.vocab_size, temperature=temperature, top_p=top_p, top_k=top_k, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed, logprobs=logprobs,
             top_logprobs=top_logprobs)
+        tool_spec = self._tool_spec(tools, tool_choice)
         template, refs = parse_messages(messages)
         prepared = self._prepare_inline(refs)
         with self._lock, self._inline_images() as held:
@@ -772,7 +808,7 @@ class Engine:
             self._fresh.clear()  # reused counts only KV that existed before this request
             computed_before = self._counters.prefill_tokens
             resolved = self._resolve(refs, tenant, prepared, held)
-            input_ids, spans = self._prompt(template, resolved)
+            input_ids, spans = self._prompt(template, resolved, tool_spec)
             if input_ids.numel() + max_new_tokens > self.max_context:
                 raise PromptTooLongError(
                     f"prompt of {input_ids.numel()} tokens plus max_tokens {max_new_tokens} exceeds the context "
@@ -793,8 +829,18 @@ class Engine:
             self._counters.prefill_tokens += prefill.computed_tokens
             self._counters.reused_tokens += reused_kinds["all"]
             self._counters.requests += 1
+            calls = ContentFilter(tool_spec.forced_prefix()) if tool_spec and tool_spec.choice != "none" else None
+            content = (lambda delta: (out := calls.feed(delta)) and on_text and on_text(out)) if calls else on_text
             ids, finish, ttft, text, lps = self._decode(prefill, plan.positions, max_new_tokens, sampling, stops,
-                                                        on_text, on_logprobs, should_stop, t0)
+                                                        content, on_logprobs, should_stop, t0)
+            tool_calls: list[ToolCall] = []
+            if calls:  # the content went out through the filter; what it held is parsed now
+                sent = calls.text[:calls.sent]
+                rest, tool_calls = calls.finish(tool_spec.names)
+                if on_text and rest:
+                    on_text(rest)
+                text = (sent + rest).strip() if tool_calls else sent + rest
+                finish = "tool_calls" if tool_calls and finish != "cancelled" else finish
             return GenerationResult(
                 text=text, token_ids=ids, finish_reason=finish,
                 usage=Usage(plan.input_ids.numel(), reused_kinds["all"], len(ids)),
@@ -803,7 +849,7 @@ class Engine:
                 vision_tower_runs=self._counters.vision_tower_runs - runs_before,
                 seam_tokens=seam, rope_policy=policy, reuse=reuse, prefix_tokens_reused=reused_kinds["prefix"],
                 skill_tokens_reused=reused_kinds["skill"], fidelity=fid, edit=report,
-                first_logits=prefill.logits[0].cpu(), logprobs=lps)
+                first_logits=prefill.logits[0].cpu(), logprobs=lps, tool_calls=tool_calls)
 
     def _salt(self, tenant: str, seam: int, policy: str) -> str:
         """Root of the prefix tree: who asked, and every setting that changes spliced KV."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,33 @@ def _image_part(part: dict, param: str) -> ImageRef:
     return ImageRef(data=data, param=param)
 
 
+def _attach_tool_calls(out: dict, msg: dict, param: str) -> None:
+    """An assistant message's OpenAI `tool_calls` go to the template as they are (it renders
+    them as <tool_call> blocks); each needs a function name and JSON-object arguments."""
+    calls = msg.get("tool_calls")
+    if calls is None:
+        return
+    if out["role"] != "assistant" or not isinstance(calls, list):
+        raise InvalidRequestError(f"{param}.tool_calls must be a list, on an assistant message",
+                                  param=f"{param}.tool_calls")
+    kept = []
+    for k, call in enumerate(calls):
+        cparam = f"{param}.tool_calls[{k}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        name, args = (fn.get("name"), fn.get("arguments")) if isinstance(fn, dict) else (None, None)
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else None
+        except ValueError:
+            parsed = None
+        if not isinstance(name, str) or not name or not isinstance(parsed, dict):
+            raise InvalidRequestError(f"{cparam} needs function.name and function.arguments (a JSON object as a "
+                                      f"string)", param=cparam)
+        kept.append({"type": "function", "id": str(call.get("id", "")),
+                     "function": {"name": _text(name, f"{cparam}.function.name"),
+                                  "arguments": _text(args, f"{cparam}.function.arguments")}})
+    out["tool_calls"] = kept
+
+
 def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | SkillRef]]:
     """Validate `messages`; return template messages (images as {"type": "image"}, skills as a
     marker text) and the image and skill references in order."""
@@ -92,6 +120,7 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | SkillRef]
             content = ""
         if isinstance(content, str):
             out.append({"role": role, "content": _text(content, f"{param}.content")})
+            _attach_tool_calls(out[-1], msg, param)
             continue
         if not isinstance(content, list):
             raise InvalidRequestError(f"{param}.content must be a string or a list of parts", param=f"{param}.content")
@@ -127,4 +156,5 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | SkillRef]
                 raise InvalidRequestError(f"{pparam}.type {kind!r} is not supported; use text, image_url, image_file, skill or state_update",
                                           param=f"{pparam}.type")
         out.append({"role": role, "content": parts})
+        _attach_tool_calls(out[-1], msg, param)
     return out, refs

@@ -96,3 +96,89 @@ def test_which_templates_render_tools():
     from mmkv.tiny import CHAT_TEMPLATE
 
     assert template_supports_tools(QWEN3_VL_CHAT_TEMPLATE) and not template_supports_tools(CHAT_TEMPLATE)
+
+
+# ---- through the engine, on the real-shape Qwen3-VL checkpoint (real tokenizer and template) ----------------
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    import torch
+
+    from mmkv import Engine
+    from mmkv.realshape import save_real_checkpoint
+
+    snapshot = save_real_checkpoint("qwen3_vl", tmp_path_factory.mktemp("hub"), seed=2)
+    return Engine.from_pretrained(snapshot, dtype=torch.float32, device="cpu")
+
+
+class ScriptedSampler:
+    """Stands in for mmkv.sampling.Sampler: emits the tokens of a fixed answer, then <|im_end|>."""
+
+    script: list[int] = []
+
+    def __init__(self, params, banned_ids, device="cpu"):
+        self.tokens = iter(self.script)
+
+    def step(self, logits):
+        return next(self.tokens), logits
+
+
+def _script(engine, monkeypatch, answer: str) -> None:
+    tok = engine.adapter.tokenizer
+    ScriptedSampler.script = tok(answer)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    monkeypatch.setattr("mmkv.engine.Sampler", ScriptedSampler)
+
+
+HISTORY = [
+    {"role": "system", "content": "You are a travel assistant."},
+    {"role": "user", "content": "Weather in Lisbon?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Lisbon"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'},
+    {"role": "user", "content": "And in Oslo?"},
+]
+
+
+def test_tools_render_through_the_template_like_the_processor(qwen3):
+    ours = qwen3.prompt_ids(HISTORY, tools=[WEATHER, TIME]).tolist()
+    text = qwen3.adapter.processor.apply_chat_template(HISTORY, tools=[WEATHER, TIME], tokenize=False,
+                                                       add_generation_prompt=True)
+    assert ours == qwen3.adapter.tokenizer(text)["input_ids"]
+    assert "<tools>" in text and "<tool_response>" in text and '"city": "Lisbon"' in text
+
+
+def test_a_generated_call_becomes_tool_calls_and_never_streams_as_text(qwen3, monkeypatch):
+    answer = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    _script(qwen3, monkeypatch, answer)
+    deltas = []
+    r = qwen3.generate(HISTORY, max_new_tokens=64, tools=[WEATHER, TIME], on_text=deltas.append)
+    assert r.finish_reason == "tool_calls" and r.text == "Checking."
+    assert [(c.name, json.loads(c.arguments)) for c in r.tool_calls] == [("get_weather", {"city": "Oslo"})]
+    assert "".join(deltas).strip() == "Checking." and all("<tool" not in d for d in deltas)
+    plain = qwen3.generate(HISTORY, max_new_tokens=64, tools=[WEATHER], tool_choice="none")
+    assert plain.tool_calls == [] and plain.text == answer and plain.finish_reason == "stop"
+
+
+def test_a_named_tool_choice_opens_the_call(qwen3, monkeypatch):
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    ids = qwen3.prompt_ids(HISTORY, tools=[WEATHER, TIME], tool_choice=choice)
+    assert qwen3.adapter.tokenizer.decode(ids).endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_time", '
+                                                         '"arguments": ')
+    _script(qwen3, monkeypatch, '{"tz": "CET"}}\n</tool_call>')
+    r = qwen3.generate(HISTORY, max_new_tokens=32, tools=[WEATHER, TIME], tool_choice=choice)
+    assert r.finish_reason == "tool_calls" and r.text == ""
+    assert [(c.name, json.loads(c.arguments)) for c in r.tool_calls] == [("get_time", {"tz": "CET"})]
+
+
+def test_a_template_without_tools_refuses_them(tiny_dirs):
+    import torch
+
+    from mmkv import Engine
+
+    eng = Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], dtype=torch.float32, device="cpu")
+    with pytest.raises(InvalidRequestError) as err:
+        eng.generate([{"role": "user", "content": "hi"}], max_new_tokens=1, tools=[WEATHER])
+    assert err.value.param == "tools"
+    with pytest.raises(InvalidRequestError) as err:
+        eng.generate([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]}])
+    assert err.value.param == "messages[0].tool_calls[0]"
