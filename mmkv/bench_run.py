@@ -92,17 +92,30 @@ def build_engine(config: str, model_dir: Path | None, device: str, dtype: str | 
 
 # ---- measuring --------------------------------------------------------------------------------------
 @dataclass
+class Sample:
+    wall_s: float  # time to the next-token logits (an engine arm: its TTFT)
+    cpu_s: float  # CPU time of this process meanwhile, all threads
+    tokens: int  # LM tokens computed
+    prompt_tokens: int = 0  # engine arms: the prompt the engine prefilled
+
+
+@dataclass
 class Arm:
     name: str
-    run: Callable[[], tuple[float, int]]  # one turn -> (seconds, LM tokens computed)
+    run: Callable[[], Sample]  # one turn
     vision_runs: int = 0
 
 
 @dataclass
 class Row:
+    """Medians over rounds. Ratios come from CPU time: on a CPU shared with other work, wall time
+    measures the scheduler as much as the turn (both are kept)."""
+
     arm: str
-    ms: float  # median
+    ms: float  # wall
+    cpu_ms: float
     runs_ms: list[float]
+    runs_cpu_ms: list[float]
     computed_tokens: int
     vision_runs: int
     speedup_vs_full: float | None = None
@@ -118,37 +131,51 @@ class Table:
     notes: dict = field(default_factory=dict)
 
 
-def timed(fn: Callable[[], int]) -> Callable[[], tuple[float, int]]:
-    """Wrap a turn that returns its computed-token count into one that also returns its seconds."""
-    def run():
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], int]) -> Callable[[], Sample]:
+    """Wrap a turn that returns its computed-token count into one that returns its Sample."""
+    def run() -> Sample:
+        _sync()
+        t0, c0 = time.perf_counter(), time.process_time()
         n = fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0, n
+        _sync()
+        return Sample(time.perf_counter() - t0, time.process_time() - c0, n)
     return run
+
+
+def engine_sample(generate: Callable[[], object]) -> Sample:
+    """An Engine.generate call (one new token): its TTFT, its CPU time, its computed tokens."""
+    c0 = time.process_time()
+    r = generate()
+    return Sample(r.ttft_s, time.process_time() - c0, r.lm_tokens_computed, r.usage.prompt_tokens)
+
+
+def rows_of(names: list[str], samples: dict[str, list[Sample]], vision: dict[str, int]) -> list[Row]:
+    return [Row(n, statistics.median(s.wall_s * 1e3 for s in samples[n]), statistics.median(s.cpu_s * 1e3 for s in samples[n]),
+                [s.wall_s * 1e3 for s in samples[n]], [s.cpu_s * 1e3 for s in samples[n]], samples[n][-1].tokens,
+                vision.get(n, 0)) for n in names]
 
 
 def interleave(arms: list[Arm], repeats: int) -> list[Row]:
     """One warm-up each, then `repeats` rounds of every arm in turn."""
-    runs = {a.name: [] for a in arms}
-    tokens = {}
+    samples = {a.name: [] for a in arms}
     for a in arms:
         a.run()
     for _ in range(repeats):
         for a in arms:
-            s, tokens[a.name] = a.run()
-            runs[a.name].append(s * 1e3)
-    return [Row(a.name, statistics.median(runs[a.name]), runs[a.name], tokens[a.name], a.vision_runs) for a in arms]
+            samples[a.name].append(a.run())
+    return rows_of([a.name for a in arms], samples, {a.name: a.vision_runs for a in arms})
 
 
 def finish(table: Table, full: str | None, limit: str | None) -> Table:
-    ms = {r.arm: r.ms for r in table.rows}
+    cpu = {r.arm: r.cpu_ms for r in table.rows}
     for r in table.rows:
-        r.speedup_vs_full = ms[full] / r.ms if full else None
-        r.pct_of_limit = 100 * ms[limit] / r.ms if limit else None
+        r.speedup_vs_full = cpu[full] / r.cpu_ms if full else None
+        r.pct_of_limit = 100 * cpu[limit] / r.cpu_ms if limit else None
     return table
 
 
@@ -247,9 +274,8 @@ def chunk_arms(engine, messages: Callable[[int], list], text: TextContext, visio
         return lambda: prefill_spliced(ad, ids, plan.positions, plan.placements, k, cache=load(hit),
                                        start=hit).computed_tokens
 
-    def engine_turn() -> tuple[float, int]:
-        r = engine.generate(messages(next(counter)), max_new_tokens=1)
-        return r.ttft_s, r.lm_tokens_computed
+    def engine_turn() -> Sample:
+        return engine_sample(lambda: engine.generate(messages(next(counter)), max_new_tokens=1))
 
     counter = iter(range(1, 1 << 30))
     q = splice(SEAM)()
@@ -336,26 +362,23 @@ def bench_errata(engine, policy_tokens: int, turns: int, text: TextContext) -> T
                 msgs.append({"role": "assistant", "content": "escalate"})
         return msgs
 
-    def turn(t: int, erratum: bool, reuse: bool, tenant: str):
-        r = engine.generate(conversation(t, erratum), max_new_tokens=1, reuse=reuse, tenant=tenant)
-        return r
+    def turn(t: int, erratum: bool, reuse: bool, tenant: str) -> Sample:
+        return engine_sample(lambda: engine.generate(conversation(t, erratum), max_new_tokens=1, reuse=reuse,
+                                                     tenant=tenant))
 
-    names = ("full recompute", "exact-prefix caching (field edited in place)", "mmkv erratum (appended)",
-             "text-only turn", "limit")
-    runs = {name: [] for name in names}
-    tokens, length = {}, 0
+    names = ["full recompute", "exact-prefix caching (field edited in place)", "mmkv erratum (appended)",
+             "text-only turn", "limit"]
+    samples = {name: [] for name in names}
+    length = 0
     for t in range(turns):
-        rs = {names[0]: turn(t, False, False, "errata-full"), names[1]: turn(t, False, True, "errata-prefix"),
-              names[2]: turn(t, True, True, "errata-erratum")}
-        for name, r in rs.items():
-            runs[name].append(r.ttft_s * 1e3)
-            tokens[name] = r.lm_tokens_computed
-        length, q = rs[names[2]].usage.prompt_tokens, rs[names[2]].lm_tokens_computed
+        samples[names[0]].append(turn(t, False, False, "errata-full"))
+        samples[names[1]].append(turn(t, False, True, "errata-prefix"))
+        samples[names[2]].append(turn(t, True, True, "errata-erratum"))
+        length, q = samples[names[2]][-1].prompt_tokens, samples[names[2]][-1].tokens
         for name, arm in ((names[3], text.text_only(length, q)), (names[4], text.limit(length, q))):
             arm()  # warm-up at this shape
-            s, tokens[name] = arm()
-            runs[name].append(s * 1e3)
-    rows = [Row(name, statistics.median(runs[name][1:]), runs[name][1:], tokens[name], 0) for name in names]
+            samples[name].append(arm())
+    rows = rows_of(names, {name: s[1:] for name, s in samples.items()}, {})
     table = Table("errata", f"{policy_tokens}-token policy, turns 2..{turns}", length, rows,
                   {"turns": turns, "note": "median over turns 2.., the first turn fills the caches"})
     return finish(table, "full recompute", "limit")
@@ -390,7 +413,7 @@ def bench_copy(engine, entries: list, repeats: int) -> list[dict]:
 
         rows = interleave([Arm("splice copy (rotate into slots)", many(splice)), Arm("plain clone", many(clone))],
                           repeats)
-        gbs = {r.arm: nbytes * inner / (r.ms / 1e3) / 1e9 for r in rows}
+        gbs = {r.arm: nbytes * inner / (r.cpu_ms / 1e3) / 1e9 for r in rows}  # per CPU-second
         out.append({"chunk": f"{entry.kind}, {n} tokens", "bytes": nbytes,
                     "splice_gb_s": gbs["splice copy (rotate into slots)"], "clone_gb_s": gbs["plain clone"],
                     "ratio": gbs["splice copy (rotate into slots)"] / gbs["plain clone"]})
