@@ -92,7 +92,12 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_json(400, f"the request body is not valid JSON: {reason} at character {position}",
                               "invalid_request_error", "invalid_json")
         param = field_path(tuple(err.get("loc", ())))
-        message = f"{param}: {err['msg']}" if param else err["msg"]
+        if param:
+            message = f"{param}: {err['msg']}"
+        elif err["type"] == "missing":
+            message = "the request body is missing: send a JSON object"
+        else:
+            message = f"the request body must be a JSON object: {err['msg']}"
         return error_json(400, message, "invalid_request_error", "invalid_schema", param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -102,7 +102,7 @@ class UnsupportedParameterError(InvalidRequestError):
     code = "unsupported_parameter"
 
 
-def _unsupported(key: str, param: str) -> UnsupportedParameterError:
+def _unsupported(param: str) -> UnsupportedParameterError:
     return UnsupportedParameterError(f"{param} is not supported by this server; remove it", param=param)
 
 
@@ -190,8 +190,13 @@ class ChatCompletionRequest(BaseModel):
             if key in _UNSUPPORTED or key not in cls.model_fields:
                 if _is_off(value, _UNSUPPORTED.get(key, ())):
                     continue
-                raise _unsupported(key, key)
+                raise _unsupported(key)
             out[key] = value
+        options = out.get("stream_options")
+        if isinstance(options, dict) and "include_obfuscation" in options:  # OpenAI's padding of stream chunks
+            if options["include_obfuscation"] not in (None, False):
+                raise _unsupported("stream_options.include_obfuscation")
+            out["stream_options"] = {k: v for k, v in options.items() if k != "include_obfuscation"}
         if isinstance(out.get("messages"), list):
             out["messages"] = [_message(m, f"messages[{i}]") for i, m in enumerate(out["messages"])]
         return out
@@ -251,7 +256,7 @@ def _message(raw: Any, param: str) -> Any:
         if key in ("role", "content"):
             out[key] = value
         elif value is not None and not _is_off(value, _MESSAGE_UNSUPPORTED.get(key, ())):
-            raise _unsupported(key, f"{param}.{key}")
+            raise _unsupported(f"{param}.{key}")
     return out
 
 

@@ -225,8 +225,10 @@ CASES = [
     Case("stop-list-number", 400, "invalid_schema", "stop[0]", chat(stop=[1])),
     Case("stop-100k", 400, "invalid_request", "stop", chat(stop=[f"s{i}" for i in range(1000)])),
     Case("stream-string", 400, "invalid_schema", "stream", chat(stream="yes")),
-    Case("stream-options-unknown", 400, "invalid_schema", "stream_options.include_obfuscation",
+    Case("stream-options-obfuscation", 400, "unsupported_parameter", "stream_options.include_obfuscation",
          chat(stream=True, stream_options={"include_obfuscation": True})),
+    Case("stream-options-unknown", 400, "invalid_schema", "stream_options.include_foo",
+         chat(stream=True, stream_options={"include_foo": True})),
     # ---- OpenAI fields mmkv does not implement: refused, never ignored
     Case("tools", 400, "unsupported_parameter", "tools",
          chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
