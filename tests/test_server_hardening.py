@@ -11,6 +11,8 @@ import io
 import json
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -100,6 +102,23 @@ def test_logprobs_openai_shape_streamed_and_not(live, engines):
     assert [lp.token for lp in streamed] == [lp.token for lp in content], "each token's logprob exactly once"
     plain = client.chat.completions.create(model="tiny", messages=HI, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_a_never_seen_inline_image_is_not_reported_as_cached(live):
+    """Issue 12 item 11 over HTTP: KV computed for this request (the image's precompile included) is
+    not "cached"; the same image again is."""
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(
+        png_bytes((3, 101, 202)))}}, {"type": "text", "text": "what color ?"}]}]
+    client = live.client(K1)
+    before = live.metrics().get("mmkv:image_cache_hits_tokens_total", 0.0)
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert (first.model_extra["mmkv"]["image_tokens_reused"], first.model_extra["mmkv"]["vision_tower_runs"]) == (0, 1)
+    assert first.model_extra["mmkv"]["lm_tokens_computed"] >= first.usage.prompt_tokens
+    assert live.metrics()["mmkv:image_cache_hits_tokens_total"] == before
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    assert again.model_extra["mmkv"]["vision_tower_runs"] == 0
+    assert again.usage.prompt_tokens_details.cached_tokens > 0 and again.model_extra["mmkv"]["image_tokens_reused"] > 0
 
 
 # ------------------------------------------------------------------ files: pagination, quotas, downloads
@@ -342,3 +361,9 @@ def test_sigterm_queued_get_503_json_running_stream_ends_properly(engines):
     assert events[-1] == "[DONE]"
     thread.join(10)
     assert not thread.is_alive()
+
+
+def test_mmkv_help_does_not_import_torch():
+    """`mmkv --help` used to take 3-7 s importing torch; the engine is now imported on first use."""
+    code = "import sys, mmkv.cli, mmkv.server.app; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
