@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import xxhash
 from PIL import Image
+from transformers import DynamicCache
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from mmkv.adapters import ImageFeatures, VLAdapter, load_adapter
@@ -59,7 +60,8 @@ from mmkv.kv_store import KVStore
 from mmkv.messages import ImageRef, SkillRef, erratum_line, parse_messages
 from mmkv.prefix_cache import PrefixCache, block_keys
 from mmkv.rerotate import POLICIES, target_positions
-from mmkv.sampling import Sampler, SamplingParams, TokenLogprob, TokenTexts, logprobs_of
+from mmkv.decode import DecodeStream
+from mmkv.sampling import SamplingParams, TokenLogprob, TokenTexts
 from mmkv.tools import ContentFilter, ToolCall, ToolSpec, check_tools, template_supports_tools
 from mmkv.splice import Placement, PrefillResult, precompile_chunk, precompile_image, prefill_full, prefill_spliced
 from mmkv.tiers import StoreConfig, Tiers
@@ -196,6 +198,36 @@ class GenerationResult:
     first_logits: torch.Tensor | None = None  # [V] float32, next-token logits after the prompt
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids when asked for
     tool_calls: list[ToolCall] = field(default_factory=list)  # parsed from `<tool_call>` blocks (then not in text)
+
+
+@dataclass
+class Run:
+    """A request between its prefill and its last token: the decode state, its KV, and what its
+    result will report. `result()` once `stream` has finished."""
+
+    stream: DecodeStream
+    cache: DynamicCache  # per layer [1, kv_heads, L, head_dim]: the prompt, then every token fed
+    first_logits: torch.Tensor  # [V] next-token logits after the prompt
+    report: dict  # GenerationResult fields known at prefill
+    calls: ContentFilter | None = None  # tool calls being held back from the text
+    tool_spec: ToolSpec | None = None
+    on_text: Callable[[str], None] | None = None
+
+    def result(self) -> GenerationResult:
+        s = self.stream
+        text, finish, tool_calls = s.text, s.finish_reason, []
+        if self.calls:  # the content went out through the filter; what it held is parsed now
+            sent = self.calls.text[:self.calls.sent]
+            rest, tool_calls = self.calls.finish(self.tool_spec.names)
+            if self.on_text and rest:
+                self.on_text(rest)
+            text = (sent + rest).strip() if tool_calls else sent + rest
+            finish = "tool_calls" if tool_calls and finish != "cancelled" else finish
+        fields = dict(self.report)
+        fields["usage"] = Usage(fields["usage"].prompt_tokens, fields["usage"].cached_tokens, len(s.ids))
+        return GenerationResult(text=text, token_ids=list(s.ids), finish_reason=finish, ttft_s=s.ttft,
+                                total_s=time.perf_counter() - s.t0, logprobs=s.logprobs, tool_calls=tool_calls,
+                                **fields)
 
 
 @dataclass
@@ -755,7 +787,18 @@ class Engine:
             return self._plan(ids, [(s, self._chunk_for(r, tenant)) for s, r in spans], policy)
 
     # ---- generation -------------------------------------------------------------------------------
-    def generate(self, messages, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+    def generate(self, messages, **kwargs) -> GenerationResult:
+        """Answer OpenAI-shaped `messages`: `start` (validate, prefill), then decode one token at a
+        time until the request is done. Arguments as `start` documents them."""
+        run = self.start(messages, **kwargs)
+        with self._lock:
+            token = run.stream.step(run.first_logits)
+            while token is not None:
+                position = torch.full((3, 1), run.stream.position, dtype=torch.long)
+                token = run.stream.step(self.adapter.forward(torch.tensor([token]), position, run.cache)[0])
+        return run.result()
+
+    def start(self, messages, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, stop: list[str] | str | None = None, reuse: bool = True,
                  seam_tokens: int | None = None, rope_policy: str | None = None, tenant: str = "",
                  on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None,
@@ -763,8 +806,11 @@ class Engine:
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  logit_bias: dict[int, float] | None = None, logprobs: bool = False, top_logprobs: int = 0,
                  on_logprobs: Callable[[list[TokenLogprob]], None] | None = None, tools: list[dict] | None = None,
-                 tool_choice: str | dict | None = None) -> GenerationResult:
-        """Answer OpenAI-shaped `messages`. `reuse=False` is the reference: one full causal forward.
+                 tool_choice: str | dict | None = None) -> Run:
+        """Validate and prefill one request; returns its `Run`, whose decoding `generate` or the
+        scheduler drives (mmkv.scheduler). The same arguments as `generate`.
+
+        Answer OpenAI-shaped `messages`. `reuse=False` is the reference: one full causal forward.
 
         With reuse, images and skills are spliced from their cached KV and the longest cached
         prompt prefix is reused. `edit_policy` decides what happens when the prompt equals a recent
@@ -831,25 +877,19 @@ class Engine:
             self._counters.requests += 1
             calls = ContentFilter(tool_spec.forced_prefix()) if tool_spec and tool_spec.choice != "none" else None
             content = (lambda delta: (out := calls.feed(delta)) and on_text and on_text(out)) if calls else on_text
-            ids, finish, ttft, text, lps = self._decode(prefill, plan.positions, max_new_tokens, sampling, stops,
-                                                        content, on_logprobs, should_stop, t0)
-            tool_calls: list[ToolCall] = []
-            if calls:  # the content went out through the filter; what it held is parsed now
-                sent = calls.text[:calls.sent]
-                rest, tool_calls = calls.finish(tool_spec.names)
-                if on_text and rest:
-                    on_text(rest)
-                text = (sent + rest).strip() if tool_calls else sent + rest
-                finish = "tool_calls" if tool_calls and finish != "cancelled" else finish
-            return GenerationResult(
-                text=text, token_ids=ids, finish_reason=finish,
-                usage=Usage(plan.input_ids.numel(), reused_kinds["all"], len(ids)),
-                ttft_s=ttft, total_s=time.perf_counter() - t0, image_tokens_reused=reused_kinds["image"],
+            stream = DecodeStream(
+                tokenizer=self.adapter.tokenizer, token_texts=self.token_texts, stop_ids=self.stop_ids,
+                banned_ids=self.banned_ids, sampling=sampling, stops=stops, max_new_tokens=max_new_tokens,
+                first_position=int(plan.positions.max()) + 1, on_text=content, on_logprobs=on_logprobs,
+                should_stop=should_stop, t0=t0, device=prefill.logits.device)
+            report_fields = dict(
+                usage=Usage(plan.input_ids.numel(), reused_kinds["all"], 0), image_tokens_reused=reused_kinds["image"],
                 lm_tokens_computed=prefill.computed_tokens + precompiled,
                 vision_tower_runs=self._counters.vision_tower_runs - runs_before,
                 seam_tokens=seam, rope_policy=policy, reuse=reuse, prefix_tokens_reused=reused_kinds["prefix"],
                 skill_tokens_reused=reused_kinds["skill"], fidelity=fid, edit=report,
-                first_logits=prefill.logits[0].cpu(), logprobs=lps, tool_calls=tool_calls)
+                first_logits=prefill.logits[0].cpu())
+            return Run(stream, prefill.cache, prefill.logits[0], report_fields, calls, tool_spec, on_text)
 
     def _salt(self, tenant: str, seam: int, policy: str) -> str:
         """Root of the prefix tree: who asked, and every setting that changes spliced KV."""
@@ -996,79 +1036,6 @@ class Engine:
         got = fast.logits[0]
         cos = torch.nn.functional.cosine_similarity(got, ref, dim=0).item()
         return Fidelity(cos, (got - ref).abs().max().item(), bool(got.argmax() == ref.argmax()))
-
-    def _decode(self, prefill: PrefillResult, positions, max_new_tokens: int, sampling: SamplingParams,
-                stops: list[str], on_text, on_logprobs, should_stop,
-                t0) -> tuple[list[int], str, float, str, list[TokenLogprob] | None]:
-        """Decode token by token. Text is detokenized incrementally (only the tokens since the last
-        complete character) and stop strings are searched only in the new text plus the longest
-        stop's overlap, so a token costs the same at the end of a long answer as at its start."""
-        sampler = Sampler(sampling, self.banned_ids, prefill.logits.device)
-        tokenizer = self.adapter.tokenizer
-        logits, cache = prefill.logits[0], prefill.cache
-        next_pos = int(positions.max()) + 1
-        ids: list[int] = []
-        lps: list[TokenLogprob] = []
-        starts: list[int] = []  # per token whose text is final: where that text starts in `text`
-        text, done, emitted, delivered = "", 0, 0, 0  # `text` is the text of ids[:done]
-        finish, ttft = "length", None
-        hold = max((len(s) for s in stops), default=1) - 1
-
-        def take_text(final: bool) -> None:
-            """Move the text of ids[done:] into `text` unless it ends inside a UTF-8 sequence; cut at a stop."""
-            nonlocal text, done, finish
-            piece = tokenizer.decode(ids[done:], skip_special_tokens=True)
-            if piece.endswith("\ufffd") and not final:
-                return  # an incomplete UTF-8 sequence: wait for the next token
-            starts.extend([len(text)] * (len(ids) - done))
-            search_from = max(len(text) - hold, 0)
-            text, done = text + piece, len(ids)
-            cut = min((i for i in (text.find(s, search_from) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
-
-        def emit(upto: int) -> None:
-            """Pass text[emitted:upto] to on_text, preceded by the logprobs of the tokens it comes from."""
-            nonlocal emitted, delivered
-            if upto <= emitted:
-                return
-            n = delivered
-            while n < len(starts) and starts[n] < upto:
-                n += 1
-            if on_logprobs and sampling.logprobs and n > delivered:
-                on_logprobs(lps[delivered:n])
-            delivered = n
-            if on_text:
-                on_text(text[emitted:upto])
-            emitted = upto
-
-        for step in range(max_new_tokens):
-            token, processed = sampler.step(logits)
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            if token in self.stop_ids:
-                finish = "stop"
-                break
-            ids.append(token)
-            if sampling.logprobs:
-                lps.append(logprobs_of(processed, token, sampling.top_logprobs, self.token_texts))
-            take_text(final=False)
-            if finish == "stop":
-                break
-            emit(len(text) - hold)
-            if should_stop is not None and should_stop():
-                finish = "cancelled"
-                break
-            if step + 1 < max_new_tokens:
-                pos = torch.full((3, 1), next_pos + step, dtype=torch.long)
-                logits = self.adapter.forward(torch.tensor([token]), pos, cache)[0]
-        if done < len(ids):
-            take_text(final=True)
-        emit(len(text))
-        if on_logprobs and sampling.logprobs and delivered < len(lps):
-            on_logprobs(lps[delivered:])
-        return (ids, finish, ttft if ttft is not None else time.perf_counter() - t0, text,
-                lps if sampling.logprobs else None)
 
     # ---- introspection -------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -125,7 +125,7 @@ class ScriptedSampler:
 def _script(engine, monkeypatch, answer: str) -> None:
     tok = engine.adapter.tokenizer
     ScriptedSampler.script = tok(answer)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
-    monkeypatch.setattr("mmkv.engine.Sampler", ScriptedSampler)
+    monkeypatch.setattr("mmkv.decode.Sampler", ScriptedSampler)
 
 
 HISTORY = [
