@@ -337,3 +337,4 @@ def test_mmkv_serve_bad_model_dir_says_what_to_pass(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "missing" in proc.stderr and "mmkv serve:" in proc.stderr
+    assert "pass MODEL_DIR as a local" in proc.stderr and "checkpoint directory" in proc.stderr
