@@ -209,6 +209,23 @@ class VLAdapter:
         return self.model.lm_head(hidden).float()
 
     @torch.no_grad()
+    def forward_decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+                       attention_mask: torch.Tensor) -> torch.Tensor:
+        """One decode step of a batch: token b of `tokens` [B] (text) at `positions` [B] (all
+        three M-RoPE axes alike), appended to row b of `cache` (rows left-padded to one length
+        K); `attention_mask` [B, 1, 1, K + 1] (0 / -inf) hides each row's padding. Returns
+        float32 logits [B, V]."""
+        embeds = self.language_model.embed_tokens(tokens.view(-1, 1).to(self.device))
+        out = self.language_model(
+            inputs_embeds=embeds,
+            position_ids=positions.view(1, -1, 1).expand(3, -1, -1).to(self.device),
+            past_key_values=cache,
+            attention_mask=attention_mask.to(self.device, embeds.dtype),
+            use_cache=True,
+        )
+        return self.model.lm_head(out.last_hidden_state[:, -1]).float()
+
+    @torch.no_grad()
     def forward_layers(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache,
                        n_layers: int, features: ImageFeatures | None = None) -> None:
         """Run only the first `n_layers` decoder layers, appending their KV to `cache` (used to

@@ -1,0 +1,231 @@
+"""Continuous batching: one loop owns the decoding of every running request.
+
+Each turn of the loop (nano-vllm's schedule -> run -> postprocess):
+1. admit: at most one waiting request is prefilled (`Engine.start`: plan, place cached KV, one
+   forward) and joins the batch, so a prefill delays one decode step, never a whole answer;
+2. step: one batched forward runs the last token of every running request (`DecodeBatch`);
+3. postprocess: each request's `DecodeStream` takes its row of logits; finished requests leave
+   the batch and their futures get their `GenerationResult`.
+Requests keep their own sampling settings, stop strings, callbacks and cancellation; a failure in
+one request fails only its future.
+
+Thread-safety: `submit`, `stop` and `stats` from any thread; the loop thread is the only one that
+touches the batch. Model calls take the engine's lock, so other engine work (an upload's
+precompile) interleaves with decode steps instead of racing them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from mmkv.errors import MMKVError
+
+log = logging.getLogger("mmkv.scheduler")
+
+
+class SchedulerStoppedError(MMKVError):
+    """The scheduler is shutting down and takes no more requests."""
+
+    http_status = 503
+    error_type = "server_error"
+    code = "shutting_down"
+
+
+def _left_pad(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, H, K, D] -> [B, H, n + K, D] with n zero slots in front."""
+    if n == 0:
+        return x
+    return torch.cat((x.new_zeros(*x.shape[:2], n, x.shape[3]), x), dim=2)
+
+
+class DecodeBatch:
+    """The running requests' KV side by side in one cache: per layer [B, kv_heads, K, head_dim],
+    row b left-padded by `pad[b]` slots that its mask hides. Joining copies the batch once
+    (to the longer length); leaving drops the row and the padding every row shares."""
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+        self.cache: DynamicCache | None = None
+        self.pad: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.pad)
+
+    @property
+    def length(self) -> int:
+        return 0 if self.cache is None else self.cache.layers[0].keys.shape[-2]
+
+    def add(self, cache: DynamicCache) -> None:
+        """Append a request's prefilled cache (batch 1, its own length) as the last row."""
+        rows = cache.layers[: self.adapter.num_layers]
+        n = rows[0].keys.shape[-2]
+        if self.cache is None:
+            self.cache = self.adapter.new_cache()
+            for i, layer in enumerate(rows):
+                self.cache.update(layer.keys.clone(), layer.values.clone(), i)
+            self.pad = [0]
+            return
+        k = self.length
+        m = max(k, n)
+        for mine, row in zip(self.cache.layers, rows):
+            mine.keys = torch.cat((_left_pad(mine.keys, m - k), _left_pad(row.keys, m - n)), dim=0)
+            mine.values = torch.cat((_left_pad(mine.values, m - k), _left_pad(row.values, m - n)), dim=0)
+        self.pad = [p + m - k for p in self.pad] + [m - n]
+
+    def remove(self, rows: set[int]) -> None:
+        keep = [i for i in range(len(self.pad)) if i not in rows]
+        if not keep:
+            self.cache, self.pad = None, []
+            return
+        trim = min(self.pad[i] for i in keep)
+        for layer in self.cache.layers:
+            index = torch.tensor(keep, device=layer.keys.device)
+            layer.keys = layer.keys.index_select(0, index)[:, :, trim:]
+            layer.values = layer.values.index_select(0, index)[:, :, trim:]
+        self.pad = [self.pad[i] - trim for i in keep]
+
+    def step(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Run token b at position b for every row; logits [B, V]."""
+        slots = torch.arange(self.length + 1)
+        visible = slots[None, :] >= torch.tensor(self.pad)[:, None]
+        mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
+        return self.adapter.forward_decode(torch.tensor(tokens), torch.tensor(positions), self.cache,
+                                           mask[:, None, None, :])
+
+
+@dataclass(eq=False)
+class _Request:
+    messages: object
+    kwargs: dict
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    run: object = None  # mmkv.engine.Run once admitted
+    token: int | None = None  # the next token to run
+
+
+class Scheduler:
+    """Owns the decode loop of every running request (module docstring). `submit` returns a
+    future of the request's GenerationResult; its keyword arguments are `Engine.start`'s."""
+
+    def __init__(self, engine, max_batch: int = 8):
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        self.engine, self.max_batch = engine, max_batch
+        self.batch = DecodeBatch(engine.adapter)
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="mmkv-scheduler", daemon=True)
+        self.decode_steps = 0
+        self.decoded_tokens = 0  # rows summed over steps: decoded_tokens / decode_steps = mean batch
+
+    def start(self) -> Scheduler:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Refuse new requests, cancel the running ones (they finish "cancelled") and join."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, messages, **kwargs) -> concurrent.futures.Future:
+        req = _Request(messages, kwargs)
+        with self._cond:
+            if self._stopping:
+                raise SchedulerStoppedError("the scheduler is shutting down")
+            self._waiting.append(req)
+            self._cond.notify()
+        return req.future
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._running and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                admit = self._waiting.popleft() if self._waiting and len(self._running) < self.max_batch else None
+            if admit is not None:
+                self._admit(admit)
+            if self._running:
+                self._step()
+        self._shut_down()
+
+    def _admit(self, req: _Request) -> None:
+        if not req.future.set_running_or_notify_cancel():
+            return
+        try:
+            run = self.engine.start(req.messages, **req.kwargs)
+            token = run.stream.step(run.first_logits)
+        except BaseException as exc:  # noqa: BLE001 - the request's own failure goes back to it
+            _fail(req, exc)
+            return
+        if token is None:
+            req.future.set_result(run.result())
+            return
+        req.run, req.token = run, token
+        with self.engine._lock:
+            self.batch.add(run.cache)
+        self._running.append(req)
+
+    def _step(self) -> None:
+        tokens = [r.token for r in self._running]
+        positions = [r.run.stream.position for r in self._running]
+        try:
+            with self.engine._lock:
+                logits = self.batch.step(tokens, positions)
+        except BaseException as exc:  # noqa: BLE001 - a failed step fails every request in it
+            log.exception("batched decode step failed")
+            for r in self._running:
+                _fail(r, exc)
+            self._running, self.batch = [], DecodeBatch(self.engine.adapter)
+            return
+        self.decode_steps += 1
+        self.decoded_tokens += len(tokens)
+        finished = set()
+        for i, r in enumerate(self._running):
+            try:
+                r.token = r.run.stream.step(logits[i])
+                if r.token is None:
+                    r.future.set_result(r.run.result())
+            except BaseException as exc:  # noqa: BLE001 - one request's failure is its own
+                _fail(r, exc)
+                r.token = None
+            if r.token is None:
+                finished.add(i)
+        if finished:
+            with self.engine._lock:
+                self.batch.remove(finished)
+            self._running = [r for i, r in enumerate(self._running) if i not in finished]
+
+    def _shut_down(self) -> None:
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+        for r in waiting:
+            if r.future.set_running_or_notify_cancel():
+                r.future.set_exception(SchedulerStoppedError("the scheduler is shutting down"))
+        for r in self._running:
+            r.run.stream.cancel()
+            r.future.set_result(r.run.result())
+        self._running, self.batch = [], DecodeBatch(self.engine.adapter)
+
+
+def _fail(req: _Request, exc: BaseException) -> None:
+    if isinstance(exc, StopIteration):  # asyncio cannot raise it into a Future
+        exc = RuntimeError(f"the engine raised {exc!r}")
+    if not req.future.done():
+        req.future.set_exception(exc)
