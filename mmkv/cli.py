@@ -183,5 +183,9 @@ from mmkv.bench import bench_command  # noqa: E402  (its heavy imports happen in
 
 app.command(name="bench")(bench_command)
 
+from mmkv.bench_tiers import bench_tiers_command  # noqa: E402  (its heavy imports happen inside)
+
+app.command(name="bench-tiers")(bench_tiers_command)
+
 if __name__ == "__main__":
     app()

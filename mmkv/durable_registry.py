@@ -125,6 +125,7 @@ class DurableRegistry:
                     pipe.set(s.key("blob", digest), blob)
                     pipe.sadd(s.key("blobref", digest), f"{kind}:{tenant}:{id_}")
                 pipe.hset(s.key("rec", kind, tenant), id_, _seal(body))
+                pipe.delete(s.key("gone", kind, tenant, id_))
                 pipe.execute()
             s.call("record write", write)
 
@@ -209,6 +210,7 @@ class DurableRegistry:
             def drop(c):
                 raw = c.hget(s.key("rec", kind, tenant), id_)
                 c.hdel(s.key("rec", kind, tenant), id_)
+                c.set(s.key("gone", kind, tenant, id_), 1)  # a tombstone: other servers drop their copies
                 body = _unseal(raw) if raw else None
                 if body and body.get("blob"):
                     ref = s.key("blobref", body["blob"])
@@ -216,6 +218,12 @@ class DurableRegistry:
                     if not c.scard(ref):
                         c.delete(s.key("blob", body["blob"]), ref)
             s.call("record delete", drop)
+
+    def gone(self, kind: str, tenant: str, id_: str) -> bool:
+        """True when the shared tier says this record was deleted, on any server (False without it,
+        or while it does not answer: a server that cannot ask keeps serving what it has)."""
+        s = self.shared
+        return s is not None and bool(s.call("tombstone read", lambda c: c.exists(s.key("gone", kind, tenant, id_)), 0))
 
     def local(self, kind: str) -> list[Record]:
         """Every record of `kind` on disk, with its blob: what a restarted server serves again."""

@@ -75,7 +75,10 @@ class FileStore:
         # process and that other servers on the same shared tier uploaded (docs/server.md, tiers).
         self.durable = durable
         for rec in durable.local("file") if durable is not None else ():
-            self._insert(_stored_from(rec))
+            if durable.gone("file", rec.tenant, rec.id):  # deleted on another server while this one was down
+                durable.remove("file", rec.tenant, rec.id)
+            else:
+                self._insert(_stored_from(rec))
 
     def __len__(self) -> int:
         return len(self._files)
@@ -96,13 +99,21 @@ class FileStore:
                 f"({self.nbytes} used); delete files first", param="file")
 
     def has(self, tenant: str, file_id: str) -> bool:
-        return (tenant, file_id) in self._files
+        return self._local(tenant, file_id) is not None
+
+    def _local(self, tenant: str, file_id: str) -> StoredFile | None:
+        """The file kept here, unless the shared tier says it was deleted (on another server)."""
+        file = self._files.get((tenant, file_id))
+        if file is not None and self.durable is not None and self.durable.gone("file", tenant, file_id):
+            self._forget(file)
+            file = None
+        return file
 
     def add(self, file: StoredFile) -> StoredFile:
         """Store `file`; an id the tenant already has returns the stored one unchanged."""
-        key = (file.tenant, file.id)
-        if key in self._files:
-            return self._files[key]
+        existing = self._local(file.tenant, file.id)
+        if existing is not None:
+            return existing
         self.check_room(file.tenant, len(file.data))
         self._insert(file)
         if self.durable is not None:
@@ -128,29 +139,37 @@ class FileStore:
         return file
 
     def get(self, tenant: str, file_id: str, param: str = "file_id") -> StoredFile:
-        try:
-            return self._files.get((tenant, file_id)) or self._fetch(tenant, file_id) or self._files[(tenant, file_id)]
-        except KeyError:
-            raise UnknownImageError(f"no file with id {file_id!r}", param=param) from None
+        file = self._local(tenant, file_id) or self._fetch(tenant, file_id)
+        if file is None:
+            raise UnknownImageError(f"no file with id {file_id!r}", param=param)
+        return file
 
     def list(self, tenant: str) -> list[StoredFile]:
-        for file_id in self.durable.shared_ids("file", tenant) if self.durable is not None else ():
-            if (tenant, file_id) not in self._files:
+        if self.durable is not None:
+            shared = set(self.durable.shared_ids("file", tenant))
+            for file_id in shared - {i for (t, i) in self._files if t == tenant}:
                 self._fetch(tenant, file_id)
+            for file in [f for (t, i), f in self._files.items() if t == tenant and i not in shared]:
+                if self.durable.gone("file", tenant, file.id):  # deleted on another server
+                    self._forget(file)
         return [f for (t, _), f in self._files.items() if t == tenant]
 
     def remove(self, tenant: str, file_id: str) -> StoredFile:
         file = self.get(tenant, file_id)
-        del self._files[(tenant, file_id)]
+        self._forget(file)
+        return file
+
+    def _forget(self, file: StoredFile) -> None:
+        tenant = file.tenant
+        del self._files[(tenant, file.id)]
         if self.durable is not None:
-            self.durable.remove("file", tenant, file_id)
+            self.durable.remove("file", tenant, file.id)
         self.nbytes -= len(file.data)
         usage = self._usage[tenant]
         usage.files -= 1
         usage.nbytes -= len(file.data)
         if not usage.files:
             del self._usage[tenant]
-        return file
 
 
 def _stored_from(rec) -> StoredFile:

@@ -113,14 +113,23 @@ def test_two_engines_share_uploads_skills_and_kv(model_dir, tmp_path, url):
     restarted = Engine.from_pretrained(model_dir, store_dir=tmp_path / "b", redis_url=url)
     assert restarted.generate(ask(image_id), max_new_tokens=1, tenant="t1").vision_tower_runs == 0
     assert restarted.stats()["disk_hits"] == 1
-    # a delete on A purges the shared tier: B no longer finds the image or its KV
+    # a delete on A purges the shared tier, and B drops its own copies on its next reference
+    b_files = sorted((tmp_path / "b" / "kv").glob("*/*"))
     a.remove_image(image_id, tenant="t1")
+    a.remove_skill(skill_id, tenant="t1")
+    with pytest.raises(UnknownImageError):
+        b.generate(ask(image_id), max_new_tokens=1, tenant="t1")
+    with pytest.raises(UnknownSkillError):
+        b.skill_info(skill_id, tenant="t1")
+    assert b_files and not [p for p in b_files if p.exists()]  # B's disk KV of both went too
+    assert Engine.from_pretrained(model_dir, store_dir=tmp_path / "b", redis_url=url).list_skills("t1") == []
     fresh = Engine.from_pretrained(model_dir, redis_url=url)
     with pytest.raises(UnknownImageError):
         fresh.image_info(image_id, tenant="t1")
     keys = [k.decode() for k in redis.Redis.from_url(url).keys("mmkv:*")]
-    assert not [k for k in keys if ":blob:" in k or ":rec:image:" in k], keys
-    assert len([k for k in keys if ":kv:" in k]) == 1  # only the skill's KV remains
+    assert not [k for k in keys if ":blob:" in k or ":rec:" in k or ":kv:" in k], keys
+    image_id = a.add_image(make_png(64, 48), tenant="t1")  # uploaded again: valid again everywhere
+    assert b.generate(ask(image_id), max_new_tokens=1, tenant="t1").vision_tower_runs == 0
 
 
 def test_corrupt_redis_value_is_detected_and_recomputed(model_dir, url):
@@ -165,6 +174,11 @@ def test_two_servers_over_http_and_redis_down_then_back(model_dir, tmp_path, red
         assert b.metrics()['mmkv:tier_hits_total{tier="redis"}'] == 1
         with pytest.raises(Exception) as err:
             b.client("sk-2").chat.completions.create(model="m", messages=messages, max_tokens=2)
+        assert getattr(err.value, "status_code", None) == 404
+        a.client("sk-1").files.delete(up.id)  # a delete on A: B forgets the file too
+        assert b.client("sk-1").files.list().data == []
+        with pytest.raises(Exception) as err:
+            b.client("sk-1").chat.completions.create(model="m", messages=messages, max_tokens=2)
         assert getattr(err.value, "status_code", None) == 404
 
         redis_server.stop()
