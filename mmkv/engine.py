@@ -212,6 +212,13 @@ class Run:
     calls: ContentFilter | None = None  # tool calls being held back from the text
     tool_spec: ToolSpec | None = None
     on_text: Callable[[str], None] | None = None
+    deferred: Callable[[], None] | None = None  # work that waits until the first token is out
+
+    def first_token_out(self) -> None:
+        """Call once the first token was sampled and passed on: stores the prompt's prefix blocks."""
+        deferred, self.deferred = self.deferred, None
+        if deferred is not None:
+            deferred()
 
     def result(self) -> GenerationResult:
         s = self.stream
@@ -295,6 +302,7 @@ class Engine:
         self._images: dict[tuple[str, str], _Registered] = {}
         self._skills: dict[tuple[str, str], _Skill] = {}
         self._recent = RecentPrompts(RECENT_PROMPTS, RECENT_KEYS, RECENT_BYTES)
+        self._deferred_insert: Callable[[], object] | None = None  # set by a prefill, taken by its Run
         self._lock = threading.RLock()
         self._image_store_bytes = 0  # sources of every registered image
         self._fresh: set[str] = set()  # chunk keys precompiled since the current request began
@@ -793,6 +801,7 @@ class Engine:
         run = self.start(messages, **kwargs)
         with self._lock:
             token = run.stream.step(run.first_logits)
+            run.first_token_out()
             while token is not None:
                 position = torch.full((3, 1), run.stream.position, dtype=torch.long)
                 token = run.stream.step(self.adapter.forward(torch.tensor([token]), position, run.cache)[0])
@@ -889,7 +898,18 @@ class Engine:
                 seam_tokens=seam, rope_policy=policy, reuse=reuse, prefix_tokens_reused=reused_kinds["prefix"],
                 skill_tokens_reused=reused_kinds["skill"], fidelity=fid, edit=report,
                 first_logits=prefill.logits[0].cpu())
-            return Run(stream, prefill.cache, prefill.logits[0], report_fields, calls, tool_spec, on_text)
+            deferred, self._deferred_insert = self._deferred_insert, None
+            return Run(stream, prefill.cache, prefill.logits[0], report_fields, calls, tool_spec, on_text,
+                       self._run_under_lock(deferred))
+
+    def _run_under_lock(self, fn: Callable[[], object] | None) -> Callable[[], None] | None:
+        if fn is None:
+            return None
+
+        def locked() -> None:
+            with self._lock:
+                fn()
+        return locked
 
     def _salt(self, tenant: str, seam: int, policy: str) -> str:
         """Root of the prefix tree: who asked, and every setting that changes spliced KV."""
@@ -972,8 +992,9 @@ class Engine:
         start = len(blocks) * self.prefix.block
         result = prefill_spliced(self.adapter, plan.input_ids, plan.positions, plan.placements, seam,
                                  rotate=policy != "none", cache=cache, start=start)
-        if keys:
-            self.prefix.insert(keys, result.cache, plan.positions, len(blocks), plan.input_ids.numel())
+        if keys:  # stored once the first token is out (Run.first_token_out): off the TTFT path
+            cache, n = result.cache, plan.input_ids.numel()
+            self._deferred_insert = lambda: self.prefix.insert(keys, cache, plan.positions, len(blocks), n)
         return result
 
     def _erratum_plan(self, plan: SplicePlan, client: TokenView, change: FieldChange | None,

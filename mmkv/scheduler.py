@@ -171,6 +171,7 @@ class Scheduler:
         try:
             run = self.engine.start(req.messages, **req.kwargs)
             token = run.stream.step(run.first_logits)
+            run.first_token_out()
         except BaseException as exc:  # noqa: BLE001 - the request's own failure goes back to it
             _fail(req, exc)
             return
