@@ -287,6 +287,23 @@ class _Counters:
     requests: int = 0
 
 
+def _check_rendered(template: list[dict], text: str) -> None:
+    """Every message's text must appear in the rendered prompt, in order: some official templates
+    drop messages (Qwen3-VL's renders only a first system message), and a message the model never
+    sees must be refused, not ignored."""
+    cursor = 0
+    for i, msg in enumerate(template):
+        content = msg["content"]
+        pieces = [content] if isinstance(content, str) else [p["text"] for p in content if p.get("type") == "text"]
+        for piece in (p.strip() for p in pieces):  # a template may trim a message
+            at = text.find(piece, cursor) if piece else cursor
+            if at < 0:
+                raise InvalidRequestError(f"the model's chat template does not render messages[{i}] (role "
+                                          f"{msg['role']!r} there); put system text in the first message",
+                                          param=f"messages[{i}]")
+            cursor = at + len(piece)
+
+
 def image_id_for(content_hash: str) -> str:
     return f"img-{content_hash}"
 
@@ -719,6 +736,7 @@ class Engine:
         tokens (as the processor does) and each skill marker to the skill's tokens. Returns the ids
         and (start index, reference) of every image span and skill, in order."""
         text = self._render(template, tools=tools)
+        _check_rendered(template, text)
         self._check_reserved(text, sum(isinstance(r, _Registered) for r in refs))
         pad = self.adapter.processor.image_token
         pattern = re.compile(re.escape(pad) + "|\\ue000(\\d+)\\ue001")

@@ -115,6 +115,8 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | SkillRef]
         role = msg.get("role")
         if role not in ROLES:
             raise InvalidRequestError(f"{param}.role must be one of {', '.join(ROLES)}", param=f"{param}.role")
+        if role == "developer":  # OpenAI's newer name for the system role; the templates know "system"
+            role = "system"
         content = msg.get("content")
         if content is None:
             content = ""

@@ -182,3 +182,14 @@ def test_a_template_without_tools_refuses_them(tiny_dirs):
     with pytest.raises(InvalidRequestError) as err:
         eng.generate([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]}])
     assert err.value.param == "messages[0].tool_calls[0]"
+
+
+def test_messages_a_template_drops_are_refused(qwen3):
+    """Qwen3-VL's official template renders only a first system message: a later one is refused,
+    naming it; `developer` is the system role."""
+    msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert qwen3.adapter.tokenizer.decode(qwen3.prompt_ids(msgs)).startswith("<|im_start|>system\nBe brief.")
+    late = [{"role": "user", "content": "hi"}, {"role": "system", "content": "Be brief."}]
+    with pytest.raises(InvalidRequestError) as err:
+        qwen3.prompt_ids(late)
+    assert err.value.param == "messages[1]"
