@@ -77,18 +77,16 @@ def run(model_dir: str | None, size: int, repeats: int, redis_url: str | None) -
                 if tier == "recompute":
                     engine.tiers.purge(stored_key)
 
-            rows = []
-            for tier in ("ram", "disk", "redis", "recompute", "full"):
-                if tier == "redis" and engine.tiers.shared is None:
-                    continue
-                times = []
-                for _ in range(repeats + 1):  # the first is a warm-up
+            tiers = [t for t in ("ram", "disk", "redis", "recompute", "full")
+                     if t != "redis" or engine.tiers.shared is not None]
+            times: dict[str, list[float]] = {t: [] for t in tiers}
+            for _ in range(repeats + 1):  # rows interleaved, so a busy machine slows them alike; one warm-up
+                for tier in tiers:
+                    engine.generate(messages, max_new_tokens=1)  # every tier holds the KV again
                     if tier not in ("ram", "full"):
                         only_in(tier)
-                    result = engine.generate(messages, max_new_tokens=1, reuse=tier != "full")
-                    times.append(result.ttft_s)
-                rows.append((tier, statistics.median(times[1:])))
-            return rows
+                    times[tier].append(engine.generate(messages, max_new_tokens=1, reuse=tier != "full").ttft_s)
+            return [(t, statistics.median(times[t][1:])) for t in tiers]
     finally:
         if proc is not None:
             proc.kill()

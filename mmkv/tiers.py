@@ -112,6 +112,8 @@ class Tiers:
     def load(self, key: str, ram_key: str, kind: str) -> tuple[CachedChunk, str] | None:
         """The chunk stored under durable `key` and the tier it came from, or None (recompute)."""
         for tier in TIERS:
+            if (self.disk if tier == "disk" else self.shared) is None:
+                continue
             t0 = time.perf_counter()
             data = self._read(tier, key)
             if data is None:
