@@ -20,6 +20,7 @@ import concurrent.futures
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -105,6 +106,7 @@ class _Request:
     messages: object
     kwargs: dict
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    on_start: Callable[[], None] | None = None  # called as its prefill begins
     run: object = None  # mmkv.engine.Run once admitted
     token: int | None = None  # the next token to run
 
@@ -121,7 +123,7 @@ class Scheduler:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._cond = threading.Condition()
-        self._stopping = False
+        self._stopping = self._draining = False
         self._thread = threading.Thread(target=self._loop, name="mmkv-scheduler", daemon=True)
         self.decode_steps = 0
         self.decoded_tokens = 0  # rows summed over steps: decoded_tokens / decode_steps = mean batch
@@ -138,14 +140,43 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def submit(self, messages, **kwargs) -> concurrent.futures.Future:
-        req = _Request(messages, kwargs)
+    def submit(self, messages, *, future: concurrent.futures.Future | None = None,
+               on_start: Callable[[], None] | None = None, **kwargs) -> concurrent.futures.Future:
+        """Queue a request; `future` (made here if None) gets its GenerationResult or its error.
+        `on_start()` runs on the loop thread as its prefill begins."""
+        req = _Request(messages, kwargs, future or concurrent.futures.Future(), on_start)
         with self._cond:
-            if self._stopping:
-                raise SchedulerStoppedError("the scheduler is shutting down")
+            if self._stopping or self._draining:
+                raise SchedulerStoppedError("the server is shutting down")
             self._waiting.append(req)
             self._cond.notify()
         return req.future
+
+    def cancel(self, future: concurrent.futures.Future) -> bool:
+        """Take a waiting request out of the queue (its future is cancelled); False if it is not
+        waiting (running requests stop through their `should_stop`)."""
+        with self._cond:
+            for req in self._waiting:
+                if req.future is future:
+                    self._waiting.remove(req)
+                    break
+            else:
+                return False
+        future.cancel()
+        return True
+
+    def drain(self) -> None:
+        """Shutdown begins: refuse new requests and fail the waiting ones (503); running ones go on."""
+        with self._cond:
+            self._draining = True
+            waiting, self._waiting = list(self._waiting), deque()
+        for req in waiting:
+            if req.future.set_running_or_notify_cancel():
+                req.future.set_exception(SchedulerStoppedError("the server is shutting down"))
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
 
     @property
     def running(self) -> int:
@@ -169,6 +200,8 @@ class Scheduler:
         if not req.future.set_running_or_notify_cancel():
             return
         try:
+            if req.on_start is not None:
+                req.on_start()
             run = self.engine.start(req.messages, **req.kwargs)
             token = run.stream.step(run.first_logits)
             run.first_token_out()

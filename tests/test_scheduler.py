@@ -95,3 +95,18 @@ def test_cancel_and_bad_request_touch_only_their_own(engine):
         assert ok.result(timeout=120).token_ids == engine.generate(reqs[1][0], **reqs[1][1]).token_ids
     finally:
         sched.stop()
+
+
+def test_waiting_requests_can_be_cancelled_and_drained(engine):
+    from mmkv.scheduler import SchedulerStoppedError
+
+    sched = Scheduler(engine)  # not started: everything stays waiting
+    first = sched.submit([{"role": "user", "content": "hi"}], max_new_tokens=2)
+    second = sched.submit([{"role": "user", "content": "hi"}], max_new_tokens=2)
+    assert sched.cancel(first) and first.cancelled() and sched.waiting == 1
+    sched.drain()
+    with pytest.raises(SchedulerStoppedError):
+        second.result(timeout=1)
+    with pytest.raises(SchedulerStoppedError):
+        sched.submit([{"role": "user", "content": "hi"}])
+    assert SchedulerStoppedError.http_status == 503
