@@ -4,7 +4,9 @@ A block's key hashes its parent's key, its token ids and, per token, the key of 
 was spliced from (an image's or skill's cache key; none for prefilled text). So the same tokens
 with a different image, or text that was spliced rather than prefilled, never match. The tenant
 salt and the splice settings sit at the root. Only full blocks are stored; a lookup is capped
-at len-1 tokens so the last prompt token is always computed.
+at len-1 tokens so the last prompt token is always computed. Each block names the chunks spliced
+into its tokens (`sources`), so deleting an image or skill purges the blocks holding its KV and,
+through the tree, every block after them.
 """
 
 from __future__ import annotations
