@@ -57,7 +57,7 @@ from mmkv.errors import (
 from mmkv.hub import resolve_model
 from mmkv.images import DEFAULT_MAX_IMAGE_PIXELS, PreparedImage, decode_image
 from mmkv.kv_store import KVStore
-from mmkv.messages import ImageRef, SkillRef, erratum_line, parse_messages
+from mmkv.messages import ImageRef, SkillRef, check_unicode, erratum_line, parse_messages
 from mmkv.prefix_cache import PrefixCache, block_keys
 from mmkv.rerotate import POLICIES, target_positions
 from mmkv.decode import DecodeStream
@@ -576,6 +576,8 @@ class Engine:
             raise InvalidRequestError("skill name must be a non-empty string", param="name")
         if not isinstance(text, str) or not text.strip():
             raise InvalidRequestError("skill text must be a non-empty string", param="text")
+        check_unicode(name, "name")
+        check_unicode(text, "text")
         parse_messages([{"role": "user", "content": text}])  # same reserved-token checks as messages
         with self._lock:
             token_ids = self._tokenize(text)

@@ -43,9 +43,21 @@ class SkillRef:
     param: str = ""
 
 
+def check_unicode(value: str, param: str) -> str:
+    """Refuse a string that is not valid Unicode (a lone surrogate such as "\\udfff"): it cannot
+    be tokenized or sent back as JSON."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"{param} is not valid Unicode: a lone surrogate at index {exc.start}",
+                                  param=param) from None
+    return value
+
+
 def _text(value: Any, param: str) -> str:
     if not isinstance(value, str):
         raise InvalidRequestError(f"{param} must be a string", param=param)
+    check_unicode(value, param)
     for token in RESERVED_TOKENS:
         if token in value:
             raise InvalidRequestError(f"{param} contains the reserved token {token}; send images as image parts",

@@ -245,3 +245,19 @@ def test_bad_inline_image_names_its_part(engine):
             "url": "data:image/png;base64," + base64.b64encode(b"not an image").decode()}}]}], max_new_tokens=1)
     assert info.value.param == "messages[0].content[1]"
     assert "BytesIO" not in info.value.message and "messages[0].content[1]" in info.value.message
+
+
+@pytest.mark.parametrize("call,param", [
+    (lambda e: e.generate([{"role": "user", "content": "a\udfff"}], max_new_tokens=1), "messages[0].content"),
+    (lambda e: e.generate([{"role": "user", "content": [{"type": "text", "text": "x\ud800y"}]}], max_new_tokens=1),
+     "messages[0].content[0].text"),
+    (lambda e: e.add_skill("n", "t\udfff"), "text"),
+    (lambda e: e.add_skill("n\ud800", "text"), "name"),
+])
+def test_text_that_is_not_valid_unicode_is_refused(engine, call, param):
+    """A lone surrogate cannot be tokenized (it raised TypeError, a 500): refused, naming the field."""
+    before = engine.stats()
+    with pytest.raises(InvalidRequestError, match="not valid Unicode") as info:
+        call(engine)
+    assert info.value.param == param
+    assert engine.stats() == before
