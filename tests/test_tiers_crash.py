@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from conftest import make_png
 import mmkv.disk_tier

@@ -15,7 +15,7 @@ from conftest import make_png
 from mmkv.chunk_codec import encode_chunk
 from mmkv.engine import Engine
 from mmkv.errors import UnknownImageError, UnknownSkillError
-from mmkv.fingerprint import durable_key, model_fingerprint
+from mmkv.fingerprint import durable_key, image_source_digest, model_fingerprint
 
 QUESTION = "What colour is the rectangle?"
 
@@ -77,11 +77,11 @@ def _store_with_image(model_dir, store):
     return engine, image_id
 
 
-def _image_file(engine, image_id) -> object:
+def _image_file(engine, image_id):
+    """The image's KV file, its durable key and its chunk in RAM."""
     reg = engine._images[("", image_id)]
-    from mmkv.fingerprint import image_source_digest
     key = engine._durable_key("image", image_source_digest(reg.source), "")
-    return engine.tiers.disk._path(key), key
+    return engine.tiers.disk._path(key), key, engine.cache._entries[engine._image_key(reg, "")]
 
 
 def _flip_byte(path):
@@ -94,16 +94,15 @@ def _truncate(path):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
-def _other_model(path, engine, key):
+def _other_model(path, chunk, key):
     """The same chunk, as a model with another fingerprint would have written it."""
-    chunk = next(iter(engine.cache._entries.values()))
     path.write_bytes(encode_chunk(chunk, key, "f" * 64))
 
 
 @pytest.mark.parametrize("damage", ["flip_byte", "truncate", "swap", "other_model", "empty"])
 def test_bad_kv_file_is_detected_dropped_counted_and_recomputed(model_dir, tmp_path, reference, damage):
     engine, image_id = _store_with_image(model_dir, tmp_path)
-    path, key = _image_file(engine, image_id)
+    path, key, chunk = _image_file(engine, image_id)
     if damage == "flip_byte":
         _flip_byte(path)
     elif damage == "truncate":
@@ -112,7 +111,7 @@ def test_bad_kv_file_is_detected_dropped_counted_and_recomputed(model_dir, tmp_p
         other = next(p for p in kv_files(tmp_path) if p != path)
         path.write_bytes(other.read_bytes())
     elif damage == "other_model":
-        _other_model(path, engine, key)
+        _other_model(path, chunk, key)
     else:
         path.write_bytes(b"")
     restarted = Engine.from_pretrained(model_dir, store_dir=tmp_path)
