@@ -17,7 +17,6 @@ without a restart once it is back. The URL's credentials are never logged (`reda
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -92,9 +91,10 @@ class RedisTier:
     def key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
 
-    def tenant_secret(self) -> bytes | None:
-        """The secret every server sharing this Redis derives tenants with (made by the first)."""
-        def get_or_make(c: redis.Redis) -> bytes:
-            c.set(SECRET_KEY, secrets.token_bytes(32), nx=True)
+    def tenant_secret(self, proposal: bytes) -> bytes | None:
+        """The secret every server sharing this Redis derives tenants with: the first server's
+        `proposal` (None while Redis does not answer)."""
+        def get_or_set(c: redis.Redis) -> bytes:
+            c.set(SECRET_KEY, proposal, nx=True)
             return c.get(SECRET_KEY)
-        return self.call("tenant secret", get_or_make)
+        return self.call("tenant secret", get_or_set)

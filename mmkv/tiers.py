@@ -175,13 +175,17 @@ class Tiers:
     # ---- state -----------------------------------------------------------------------------------
     def tenant_secret(self) -> bytes:
         """The secret API keys become tenants with, the same after a restart and on every server
-        sharing the Redis: Redis's when it answers (kept on disk too), else the disk's, else new."""
+        sharing the Redis. The disk's (made once) is offered to Redis; Redis keeps the first one it
+        was offered, and that one wins, so servers agree. While Redis does not answer, the disk's."""
         path = self.root / "tenant_secret" if self.root is not None else None
-        secret = self.shared.tenant_secret() if self.shared is not None else None
-        if secret is None and path is not None and path.exists():
-            secret = path.read_bytes()
-        secret = secret or secrets.token_bytes(32)
-        if path is not None and (not path.exists() or path.read_bytes() != secret):
+        local = path.read_bytes() if path is not None and path.exists() else None
+        secret = local or secrets.token_bytes(32)
+        shared = self.shared.tenant_secret(secret) if self.shared is not None else None
+        if shared is not None and local is not None and shared != local:
+            log.warning("this store's tenant secret differs from the shared one; API keys now map to the shared "
+                        "tenants, so uploads made here under the old secret are no longer visible to them")
+        secret = shared or secret
+        if path is not None and secret != local:
             atomic_write(path, secret)
             path.chmod(0o600)
         return secret

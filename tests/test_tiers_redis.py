@@ -225,3 +225,30 @@ def test_credentials_work_and_are_never_logged(model_dir, caplog):
     assert RedisTier("rediss://user:pw@127.0.0.1:1/0", "ns").url == "rediss://127.0.0.1:1/0"
     with pytest.raises(ValueError, match="redis://"):
         RedisTier("http://user:pw@host/0", "ns")
+
+
+def test_redis_down_at_start_up_then_back(model_dir, tmp_path):
+    """A server whose Redis is down when it starts still starts and answers; the tenant secret
+    comes from its disk; once Redis answers it is used without a restart."""
+    server = RedisServer()
+    url = server.url()
+    server.stop()
+    try:
+        first = Engine.from_pretrained(model_dir, store_dir=tmp_path / "first", redis_url=url)
+        secret = first.tiers.tenant_secret()
+        assert first.tiers.tenant_secret() == secret and len(secret) == 32  # kept on disk
+        image_id = first.add_image(make_png(64, 48))
+        assert first.generate(ask(image_id), max_new_tokens=1).vision_tower_runs == 0
+        assert first.stats()["redis_errors"] >= 1 and first.stats()["redis_up"] == 0
+        server.start()
+        time.sleep(1.1)
+        first.add_image(make_png(64, 48, seed=3))
+        stats = first.stats()
+        assert stats["redis_up"] == 1 and stats["redis_writes"] == 1
+        # the disk's secret went to Redis: keys stay the same tenants, here and on every other server
+        assert first.tiers.tenant_secret() == secret == redis.Redis.from_url(url).get("mmkv:tenant-secret")
+        other = Engine.from_pretrained(model_dir, store_dir=tmp_path / "other", redis_url=url)
+        assert other.tiers.tenant_secret() == secret
+    finally:
+        if server.proc.poll() is None:
+            server.stop()
