@@ -76,10 +76,10 @@ class Tiers:
     layers: int
     dtype: torch.dtype
     device: torch.device
-    root: Path | None = None  # the store directory
-    disk: DiskTier | None = None
-    shared: RedisTier | None = None
-    registry: DurableRegistry = None
+    root: Path | None  # the store directory (None: no disk tier)
+    disk: DiskTier | None
+    shared: RedisTier | None
+    registry: DurableRegistry
     counters: dict[str, TierCounters] = field(default_factory=lambda: {t: TierCounters() for t in TIERS})
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
