@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
@@ -11,6 +12,9 @@ from PIL import Image, ImageDraw
 from mmkv.tiny import FAMILIES, save_tiny_checkpoint
 
 torch.set_num_threads(1)
+# `mmkv serve` keeps a disk tier under ~/.cache/mmkv by default: servers the tests start stay RAM-only
+# (and leave nothing in the home directory) unless a test passes --store-dir.
+os.environ.setdefault("MMKV_STORE_DIR", "none")
 
 
 # A random model with default init barely uses position (near-uniform attention), so a wrong

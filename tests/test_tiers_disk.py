@@ -16,6 +16,7 @@ from mmkv.chunk_codec import encode_chunk
 from mmkv.engine import Engine
 from mmkv.errors import UnknownImageError, UnknownSkillError
 from mmkv.fingerprint import durable_key, image_source_digest, model_fingerprint
+from mmkv.tiers import StoreConfig, Tiers
 
 QUESTION = "What colour is the rectangle?"
 
@@ -201,3 +202,12 @@ def test_durable_keys_are_sha256_of_every_setting():
         changed = list(base)
         changed[i] = changed[i] + "x"
         assert durable_key(*changed) != key
+
+
+def test_auto_store_dir_is_under_the_user_cache_per_fingerprint(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fingerprint = "ab" * 32
+    tiers = Tiers.open(StoreConfig("auto"), fingerprint, 2, torch.float32, torch.device("cpu"))
+    assert tiers.root == tmp_path / "mmkv" / fingerprint[:16]
+    assert (tiers.root / "MODEL").read_text() == fingerprint and tiers.shared is None
+    assert Tiers.open(StoreConfig(None), fingerprint, 2, torch.float32, torch.device("cpu")) is None
