@@ -5,7 +5,7 @@ becomes the key at P' by rotating each frequency j by (P'[axis(j)] - P[axis(j)])
 The rotate-half layout pairs channel i with channel i + head_dim/2.
 
 A moved chunk changes every token's position by the same amount per axis, so its rotation is
-one cos/sin vector per frequency ([head_dim/2]), not a per-token table: `rotate_into` applies it
+one cos/sin vector ([head_dim]), not a per-token table: `rotate_into` applies it
 straight into a slice of a preallocated cache at about copy speed.
 """
 
@@ -33,26 +33,27 @@ def constant_delta(from_pos: torch.Tensor, to_pos: torch.Tensor) -> tuple[int, i
 
 
 def rotation(delta: tuple[int, int, int], rope: RopeLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [head_dim/2] (float32) of each frequency's turn for a constant per-axis change.
-    Angles in float64, as in `reposition_keys`."""
+    """(cos, signed sin) [head_dim] (float32) for a constant per-axis change, laid out for
+    `rotate_into`: cos of each frequency's angle twice, then (-sin, sin). Angles in float64, as in
+    `reposition_keys`."""
     angles = torch.tensor(delta, dtype=torch.float64)[rope.axis_of_freq] * rope.inv_freq.to(torch.float64)
-    return angles.cos().float(), angles.sin().float()
+    cos, sin = angles.cos().float(), angles.sin().float()
+    return torch.cat((cos, cos)), torch.cat((-sin, sin))
 
 
 def rotate_into(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Write `keys` [..., L, D] turned by (cos, sin) [D/2] into `out` (same shape; typically a
-    slice of a preallocated cache). Float32 keys rotate in place of a copy (four elementwise
-    passes, no temporaries); other dtypes rotate in float32 and are cast back once."""
+    """Write `keys` [..., L, D] turned by `rotation`'s (cos, signed sin) [D] into `out` (same
+    shape; typically a slice of a preallocated cache): out = k cos + rotate_half(k) sin, in three
+    elementwise passes and no temporaries. Float32 keys rotate directly; other dtypes rotate in
+    float32 and are cast back once."""
     if keys.dtype != torch.float32:
         out.copy_(rotate_into(torch.empty(keys.shape, device=keys.device), keys.float(), cos, sin))
         return out
     cos, sin = cos.to(keys.device), sin.to(keys.device)
     half = keys.shape[-1] // 2
-    k1, k2, o1, o2 = keys[..., :half], keys[..., half:], out[..., :half], out[..., half:]
-    torch.mul(k1, cos, out=o1)
-    o1.addcmul_(k2, sin, value=-1.0)  # x1 cos - x2 sin
-    torch.mul(k2, cos, out=o2)
-    o2.addcmul_(k1, sin)  # x2 cos + x1 sin
+    torch.mul(keys, cos, out=out)
+    out[..., :half].addcmul_(keys[..., half:], sin[:half])  # x1 cos - x2 sin
+    out[..., half:].addcmul_(keys[..., :half], sin[half:])  # x2 cos + x1 sin
     return out
 
 
