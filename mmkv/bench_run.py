@@ -68,7 +68,7 @@ def build_engine(config: str, model_dir: Path | None, device: str, dtype: str | 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda but no CUDA device is visible")
-    max_pixels = max_image_tokens * 28 * 28 * 2
+    max_pixels = max_image_tokens * 32 * 32 * 2  # room for the largest case at either patch size
     if model_dir is not None:
         return Engine.from_pretrained(model_dir, dtype=dtype, device=device, max_pixels=max_pixels)
     if config not in CONFIGS:
@@ -309,9 +309,11 @@ def chunk_arms(engine, messages: Callable[[int], list], text: TextContext, visio
 
 
 # ---- modes ------------------------------------------------------------------------------------------
-def _picture(tokens: int) -> bytes:
-    """A square picture whose side gives `tokens` image tokens at 28 px per token (patch 14, merge 2)."""
-    px = int(round(tokens**0.5)) * 28
+def _picture(engine, tokens: int) -> bytes:
+    """A square picture of `tokens` image tokens (a square number) for the engine's processor:
+    patch x merge pixels per token side (28 for Qwen2/2.5-VL, 32 for Qwen3-VL)."""
+    ip = engine.adapter.processor.image_processor
+    px = int(round(tokens**0.5)) * ip.patch_size * ip.merge_size
     img = Image.new("RGB", (px, px), (90, 120, 150))
     draw = ImageDraw.Draw(img)
     for i in range(0, px, 32):
@@ -328,7 +330,7 @@ HISTORY = [{"role": "system", "content": "you are a careful assistant ."},
 
 def bench_image(engine, tokens: int, repeats: int, text: TextContext) -> Table:
     ad = engine.adapter
-    png, tenant = _picture(tokens), f"image-{tokens}"
+    png, tenant = _picture(engine, tokens), f"image-{tokens}"
     image_id = engine.add_image(png, tenant=tenant)
     vision = ad.preprocess_image(Image.open(io.BytesIO(png)).convert("RGB"))
 
@@ -529,7 +531,7 @@ def _chunks(engine, image_tokens: list[int], skill_tokens: list[int]) -> list:
     entries = []
     for n in image_tokens:
         tenant = f"image-{n}"
-        image = {"type": "image_file", "image_file": {"file_id": engine.add_image(_picture(n), tenant=tenant)}}
+        image = {"type": "image_file", "image_file": {"file_id": engine.add_image(_picture(engine, n), tenant=tenant)}}
         plan = engine.splice_plan([{"role": "user", "content": [image, {"type": "text", "text": "?"}]}], tenant=tenant)
         entries.append(plan.placements[0].entry)
     for n in skill_tokens:
