@@ -216,7 +216,7 @@ class TextContext:
         self.pos = torch.arange(self.length).expand(3, self.length)
         self.load = _kv_loader(self.adapter, prefill_full(self.adapter, self.ids, self.pos, None).cache)
 
-    def limit(self, n: int, q: int) -> Callable[[], tuple[float, int]]:
+    def limit(self, n: int, q: int) -> Callable[[], Sample]:
         from mmkv.splice import forward_into_slots, preallocate
 
         self._ensure(n)
@@ -229,7 +229,7 @@ class TextContext:
             return q
         return timed(turn)
 
-    def text_only(self, n: int, q: int) -> Callable[[], tuple[float, int]]:
+    def text_only(self, n: int, q: int) -> Callable[[], Sample]:
         from mmkv.splice import prefill_spliced
 
         self._ensure(n)

@@ -157,7 +157,7 @@ def place_chunk(layers: list[SlotLayer], p: Placement, first: int, stop: int, ro
     vector, applied straight into the slots."""
     src, dst = p.entry.position_ids[:, first:stop], p.target[:, first:stop]
     shift = constant_delta(src, dst) if rotate else (0, 0, 0)
-    turn = rotation(shift, rope) if shift is not None and any(shift) else None
+    turn = tuple(t.to(layers[0].device) for t in rotation(shift, rope)) if shift is not None and any(shift) else None
     a, b = p.start + first, p.start + stop
     for layer, k, v in zip(layers, p.entry.keys, p.entry.values):
         k, v = k[:, first:stop].to(layer.device), v[:, first:stop].to(layer.device)
