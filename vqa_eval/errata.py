@@ -87,7 +87,7 @@ def serve(engine: Engine, arm: str, conv: ErrataConversation, file_ids: dict[str
             "prompt_tokens": r.usage.prompt_tokens, "cached_tokens": r.usage.cached_tokens,
             "lm_tokens_computed": r.lm_tokens_computed,
             "detected": bool(edit and edit.detected), "applied": edit.applied if edit else "recompute",
-            "reason": getattr(edit, "reason", "") if edit else "", "field": edit.field if edit else ""}
+            "reason": edit.reason if edit else "", "field": edit.field if edit else ""}
 
 
 def summarize_errata(rows: list[dict], arms: list[str]) -> dict:
