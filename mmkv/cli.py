@@ -85,6 +85,8 @@ def serve(
     max_images_per_request: Annotated[int, typer.Option(envvar="MMKV_MAX_IMAGES_PER_REQUEST")] = 16,
     max_queue: Annotated[int, typer.Option(envvar="MMKV_MAX_QUEUE",
                                            help="Requests waiting for the engine before 429.")] = 64,
+    max_batch: Annotated[int, typer.Option(envvar="MMKV_MAX_BATCH", min=1,
+                                           help="Generations decoded together (continuous batching).")] = 8,
     max_body_mb: Annotated[float, typer.Option(envvar="MMKV_MAX_BODY_MB", help="Largest request body (413).")] = 32.0,
     file_store_gb: Annotated[float, typer.Option(envvar="MMKV_FILE_STORE_GB",
                                                  help="Uploaded image bytes kept in memory, all keys (507).")] = 2.0,
@@ -147,7 +149,7 @@ def serve(
                                         store_dir=None if store_dir == "none" else store_dir,
                                         store_bytes=int(store_gb * (1 << 30)), redis_url=redis_url)
         settings = ServerSettings(
-            api_keys=tuple(api_key or ()), max_queue=max_queue, max_body_bytes=int(max_body_mb * (1 << 20)),
+            api_keys=tuple(api_key or ()), max_queue=max_queue, max_batch=max_batch, max_body_bytes=int(max_body_mb * (1 << 20)),
             file_store_bytes=int(file_store_gb * (1 << 30)), max_images_per_request=max_images_per_request,
             key_file_bytes=int(key_file_quota_mb * (1 << 20)), key_files=key_file_quota_count,
             image_threads=image_threads, body_timeout_s=body_timeout_s,
@@ -186,6 +188,10 @@ app.command(name="bench")(bench_command)
 from mmkv.bench_tiers import bench_tiers_command  # noqa: E402  (its heavy imports happen inside)
 
 app.command(name="bench-tiers")(bench_tiers_command)
+
+from mmkv.bench_concurrency import bench_concurrency_command  # noqa: E402  (its heavy imports happen inside)
+
+app.command(name="bench-concurrency")(bench_concurrency_command)
 
 if __name__ == "__main__":
     app()

@@ -119,7 +119,7 @@ class Scheduler:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self.engine, self.max_batch = engine, max_batch
-        self.batch = DecodeBatch(engine.adapter)
+        self.batch: DecodeBatch | None = None  # made on first use: building a scheduler touches no model
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._cond = threading.Condition()
@@ -182,6 +182,10 @@ class Scheduler:
     def running(self) -> int:
         return len(self._running)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _loop(self) -> None:
         while True:
             with self._cond:
@@ -212,6 +216,8 @@ class Scheduler:
             req.future.set_result(run.result())
             return
         req.run, req.token = run, token
+        if self.batch is None:
+            self.batch = DecodeBatch(self.engine.adapter)
         with self.engine._lock:
             self.batch.add(run.cache)
         self._running.append(req)
@@ -226,7 +232,7 @@ class Scheduler:
             log.exception("batched decode step failed")
             for r in self._running:
                 _fail(r, exc)
-            self._running, self.batch = [], DecodeBatch(self.engine.adapter)
+            self._running, self.batch = [], None
             return
         self.decode_steps += 1
         self.decoded_tokens += len(tokens)
@@ -255,7 +261,7 @@ class Scheduler:
         for r in self._running:
             r.run.stream.cancel()
             r.future.set_result(r.run.result())
-        self._running, self.batch = [], DecodeBatch(self.engine.adapter)
+        self._running, self.batch = [], None
 
 
 def _fail(req: _Request, exc: BaseException) -> None:

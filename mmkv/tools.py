@@ -62,7 +62,7 @@ class ToolSpec:
 def check_tools(tools: Any, tool_choice: Any = None) -> ToolSpec | None:
     """Validate OpenAI `tools` / `tool_choice`; None when there are no tools (and no choice)."""
     if tools is None or tools == []:
-        if tool_choice not in (None, "none", "auto"):
+        if tool_choice not in (None, "none"):
             raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
         return None
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:

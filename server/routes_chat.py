@@ -1,8 +1,8 @@
 """/v1/chat/completions. Life of a request here: auth -> tenant -> schema (400, unsupported
 fields named) -> content parts checked and resolved to engine parts, inline images decoded on the
-image threads (400/404) -> one job on the engine worker (429 when the queue is full) ->
-engine.generate, text deltas and logprobs streamed back as they decode -> the OpenAI response plus
-the `mmkv` report. The engine's figures are passed through unchanged.
+image threads (400/404) -> one generation on the scheduler (429 when the queue is full): its
+prefill, then its tokens in batched decode steps with the other running requests, text deltas
+and logprobs streamed back as they decode -> the OpenAI response plus the `mmkv` report. The engine's figures are passed through unchanged.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def chat_router(ctx: ServerContext) -> APIRouter:
             frequency_penalty=body.frequency_penalty, logit_bias=body.token_logit_bias(), logprobs=body.logprobs,
             top_logprobs=body.top_logprobs, reuse=body.mmkv.reuse, seam_tokens=body.mmkv.seam_tokens,
             rope_policy=body.mmkv.rope_policy, edit_policy=body.mmkv.edit_policy, fidelity=body.mmkv.fidelity,
-            tenant=tenant,
+            tenant=tenant, tools=body.tools, tool_choice=body.tool_choice,
         )
 
     def report(request: Request, job: Job, result) -> tuple[MMKVReport, Usage]:
@@ -107,27 +107,26 @@ def chat_router(ctx: ServerContext) -> APIRouter:
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return await stream_chat(request, body, messages, kwargs, completion_id)
-        result, job = await ctx.run_job(
-            request, lambda engine, should_stop: engine.generate(messages, should_stop=should_stop, **kwargs))
+        job = ctx.worker.submit_generation(messages, kwargs)
+        result = await ctx.until_done(request, job, asyncio.wrap_future(job.future))
         if result.finish_reason == "cancelled":  # the client left as the job finished
             return Response(status_code=499)
         mmkv_report, usage = report(request, job, result)
         logprobs = _choice_logprobs(result.logprobs) if body.logprobs else None
         return ChatCompletion(id=completion_id, created=int(time.time()), model=ctx.model_id, usage=usage,
                               mmkv=mmkv_report,
-                              choices=[Choice(message=AssistantMessage(content=result.text), logprobs=logprobs,
+                              choices=[Choice(message=_message(body, result), logprobs=logprobs,
                                               finish_reason=result.finish_reason)])
 
     async def stream_chat(request: Request, body: ChatCompletionRequest, messages, kwargs, completion_id: str):
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
 
-        def put(item) -> None:  # runs on the worker thread
+        def put(item) -> None:  # runs on the scheduler thread
             loop.call_soon_threadsafe(items.put_nowait, item)
 
-        job = ctx.worker.submit(lambda engine, should_stop: engine.generate(
-            messages, on_text=put, on_logprobs=(lambda lps: put(_Logprobs(lps))) if body.logprobs else None,
-            should_stop=should_stop, **kwargs))
+        job = ctx.worker.submit_generation(messages, dict(
+            kwargs, on_text=put, on_logprobs=(lambda lps: put(_Logprobs(lps))) if body.logprobs else None))
         # Scheduled after every callback of the job, so _END arrives after the last item.
         job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(items.put_nowait, _END))
         # Hold the headers until the first item or the end: a prompt the engine rejects is still
@@ -188,6 +187,8 @@ def chat_router(ctx: ServerContext) -> APIRouter:
                 if result.finish_reason == "cancelled":  # the client has gone; nobody to tell
                     return
                 mmkv_report, usage = report(request, job, result)
+                if calls := _tool_calls(body, result):  # whole calls in one delta: clients accumulate them
+                    yield chunk(Delta(tool_calls=[dict(index=i, **c) for i, c in enumerate(calls)]))
                 yield chunk(Delta(), finish_reason=result.finish_reason, mmkv=mmkv_report)
                 if body.stream_options and body.stream_options.include_usage:
                     data = ChatCompletionChunk(id=completion_id, created=created, model=ctx.model_id, choices=[],
@@ -203,6 +204,17 @@ def chat_router(ctx: ServerContext) -> APIRouter:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return router
+
+
+def _tool_calls(body: ChatCompletionRequest, result) -> list[dict[str, Any]]:
+    """The answer's tool calls in OpenAI's shape; with parallel_tool_calls false, the first only."""
+    calls = [c.openai() for c in result.tool_calls]
+    return calls[:1] if body.parallel_tool_calls is False else calls
+
+
+def _message(body: ChatCompletionRequest, result) -> AssistantMessage:
+    calls = _tool_calls(body, result)
+    return AssistantMessage(content=result.text or (None if calls else ""), tool_calls=calls or None)
 
 
 def _internal_error() -> MMKVError:
@@ -230,7 +242,8 @@ async def engine_messages(ctx: ServerContext, body: ChatCompletionRequest, tenan
             raise InvalidRequestError(f"messages[{i}].content is required for role {message.role!r}",
                                       param=f"messages[{i}].content")
         if message.content is None or isinstance(message.content, str):
-            out.append({"role": role, "content": message.content or ""})
+            out.append({"role": role, "content": message.content or ""}
+                       | ({"tool_calls": message.tool_calls} if message.tool_calls else {}))
             continue
         parts = []
         for j, raw in enumerate(message.content):
@@ -244,7 +257,7 @@ async def engine_messages(ctx: ServerContext, body: ChatCompletionRequest, tenan
                 raise InvalidRequestError(f"at most {ctx.settings.max_images_per_request} images per request",
                                           param=param)
             parts.append(await _engine_image_part(ctx, part, param, tenant, inline))
-        out.append({"role": role, "content": parts})
+        out.append({"role": role, "content": parts} | ({"tool_calls": message.tool_calls} if message.tool_calls else {}))
     return out
 
 

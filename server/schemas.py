@@ -82,15 +82,14 @@ def parse_content_part(raw: Any, param: str) -> TextPart | ImageURLPart | ImageF
 # OpenAI's chat-completions request fields that mmkv does not implement, each with the values that
 # mean "off" (accepted, since they ask for nothing); any other value is a 400 naming the field.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "parallel_tool_calls": (), "response_format": ({"type": "text"},), "audio": (), "modalities": (["text"],),
+    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},), "audio": (), "modalities": (["text"],),
     "prediction": (), "reasoning_effort": (), "verbosity": (), "web_search_options": (), "store": (False,),
     "metadata": (), "service_tier": ("auto", "default"), "prompt_cache_retention": (),
 }
 # Fields that by OpenAI's definition never change the answer (abuse monitoring, cache routing).
 _NO_EFFECT = ("user", "safety_identifier", "prompt_cache_key")
-_MESSAGE_UNSUPPORTED = {"name": (), "tool_calls": ([],), "function_call": (), "refusal": (), "audio": ()}
-_MESSAGE_ROLES = ("system", "developer", "user", "assistant")
+_MESSAGE_UNSUPPORTED = {"name": (), "function_call": (), "refusal": (), "audio": ()}
+_MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4  # stop strings per request, as OpenAI
 MAX_STOP_CHARS = 256
 INT64 = (-(2**63), 2**63 - 1)
@@ -125,9 +124,11 @@ def check_unicode(value: Any, param: str) -> None:
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     # Parts stay raw here and go through parse_content_part: a bad part is a 400 naming the part.
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made (checked by the engine)
+    tool_call_id: str | None = None  # tool: which call this is the result of
 
 
 class StreamOptions(BaseModel):
@@ -171,6 +172,10 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
     n: int = Field(1, ge=1, description="Only 1 (more is a 400 unsupported_parameter).")
+    tools: list[dict[str, Any]] | None = Field(None, description="Function tools, rendered by the model's chat "
+                                               "template (400 where it has none).")
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (the first).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     mmkv: MMKVOptions = Field(default_factory=MMKVOptions)
@@ -228,6 +233,8 @@ class ChatCompletionRequest(BaseModel):
             raise UnsupportedParameterError(f"n={self.n} is not supported; only one choice per request", param="n")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+        if self.parallel_tool_calls is not None and not self.tools:
+            raise InvalidRequestError("parallel_tool_calls needs tools", param="parallel_tool_calls")
         return self
 
     def stop_list(self) -> list[str] | None:
@@ -248,12 +255,13 @@ def _message(raw: Any, param: str) -> Any:
     if not isinstance(raw, dict):
         return raw
     role = raw.get("role")
-    if role in ("tool", "function"):
-        raise UnsupportedParameterError(f"{param}.role {role!r} is not supported (no tool calling); "
-                                        f"use one of {', '.join(_MESSAGE_ROLES)}", param=f"{param}.role")
+    if role == "function":
+        raise UnsupportedParameterError(f"{param}.role 'function' is not supported (the legacy function API); "
+                                        f"use tools and role 'tool'", param=f"{param}.role")
     out = {}
     for key, value in raw.items():
-        if key in ("role", "content"):
+        if key in ("role", "content") or (key == "tool_calls" and role == "assistant") or \
+                (key == "tool_call_id" and role == "tool"):
             out[key] = value
         elif value is not None and not _is_off(value, _MESSAGE_UNSUPPORTED.get(key, ())):
             raise _unsupported(f"{param}.{key}")
@@ -326,7 +334,8 @@ class SkillDeleted(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -347,7 +356,7 @@ class ChoiceLogprobs(BaseModel):
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     logprobs: ChoiceLogprobs | None = None
 
 
@@ -364,12 +373,13 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     logprobs: ChoiceLogprobs | None = None
 
 

@@ -1,10 +1,12 @@
-"""The one thread that owns the engine, and the bounded queue in front of it.
+"""The engine's two threads and the bounded queue in front of them.
 
-The engine is not thread-safe, so every engine call (add an image, generate, drop an image)
-is a `Job` run here, one at a time, in arrival order. Async handlers `submit` a job and await
-its future; a full queue refuses at once (429) instead of letting latency grow without bound.
-Cancelling a job takes it out of the queue, or, if it is running, makes its `should_stop`
-return True so a generation ends at the next token.
+Generations go to the scheduler (mmkv.scheduler: continuous batching, one prefill admitted
+between batched decode steps); every other engine call (add an image, add a skill, drop one) is
+a `Job` run on the worker thread, one at a time, in arrival order. Both take the engine's lock
+for model work, so they interleave rather than race. Async handlers submit and await the job's
+future; a full queue (waiting jobs and waiting generations together) refuses at once (429)
+instead of letting latency grow without bound. Cancelling a job takes it out of its queue, or,
+if it runs, makes its `should_stop` return True so a generation ends at the next token.
 """
 
 from __future__ import annotations
@@ -64,11 +66,14 @@ class EngineWorker:
     """Runs jobs on one thread. `submit` and `cancel` are thread-safe; `stats` is the engine's
     `stats()` as of the last finished job (read without touching the engine)."""
 
-    def __init__(self, engine, max_queue: int = 64):
+    def __init__(self, engine, max_queue: int = 64, max_batch: int = 8):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
         self.max_queue = max_queue
+        from mmkv.scheduler import Scheduler  # here: importing the server must not import torch
+
+        self.scheduler = Scheduler(engine, max_batch)
         self.stats: dict[str, Any] = {}
         self._pending: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -79,6 +84,7 @@ class EngineWorker:
     def start(self) -> None:
         self.stats = dict(self.engine.stats())
         self._thread.start()
+        self.scheduler.start()
 
     def drain(self) -> None:
         """Refuse new jobs and fail the queued ones (503 `shutting_down`); the running one goes on."""
@@ -87,6 +93,7 @@ class EngineWorker:
             dropped = list(self._pending)
             self._pending.clear()
             self._cond.notify_all()
+        self.scheduler.drain()
         for job in dropped:
             _fail(job, WorkerStoppedError("the server is shutting down"))
 
@@ -98,19 +105,42 @@ class EngineWorker:
                 self._running.cancelled.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.scheduler.stop(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self.scheduler.alive
 
     @property
     def queue_depth(self) -> int:
-        """Jobs waiting, not counting the one running."""
-        return len(self._pending)
+        """Jobs and generations waiting, not counting the running ones."""
+        return len(self._pending) + self.scheduler.waiting
 
     @property
     def busy(self) -> bool:
-        return self._running is not None
+        return self._running is not None or self.scheduler.running > 0
+
+    def submit_generation(self, messages, kwargs: dict) -> Job:
+        """Queue one generation (`Engine.start`'s keyword arguments) on the scheduler; the job's
+        future gets its GenerationResult. QueueFullError when `max_queue` already wait."""
+        job = Job(fn=None)
+        with self._cond:
+            if self._stopping:
+                raise WorkerStoppedError("the server is shutting down")
+            if self.queue_depth >= self.max_queue:
+                raise QueueFullError(f"the engine queue is full ({self.max_queue} requests waiting); retry shortly")
+
+        def started() -> None:
+            job.started_at = time.perf_counter()
+
+        def finished(_) -> None:
+            job.finished_at = time.perf_counter()
+            self._refresh_stats()
+
+        job.future.add_done_callback(finished)
+        self.scheduler.submit(messages, future=job.future, on_start=started, should_stop=job.cancelled.is_set,
+                              **kwargs)
+        return job
 
     def submit(self, fn: JobFn) -> Job:
         """Queue `fn`; raises QueueFullError when `max_queue` jobs already wait."""
@@ -127,6 +157,9 @@ class EngineWorker:
     def cancel(self, job: Job) -> None:
         """Stop `job`: dequeue it if it waits, signal it if it runs; no-op once it finished."""
         job.cancelled.set()
+        if job.fn is None:  # a generation: the scheduler's
+            self.scheduler.cancel(job.future)
+            return
         with self._cond:
             try:
                 self._pending.remove(job)

@@ -84,7 +84,7 @@ def test_an_exception_on_the_worker_still_answers(server, monkeypatch, stream, w
             on_text("partial")
         raise StopIteration("injected")
 
-    monkeypatch.setattr(engine, "generate", broken)
+    monkeypatch.setattr(engine, "start", broken)  # the scheduler's prefill stage
     status, body = _post(live.base_url, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                          "max_tokens": 3, "stream": stream})
     if stream and when == "mid-stream":

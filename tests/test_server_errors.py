@@ -64,6 +64,24 @@ class ControlledEngine:
         self.results.append(result)
         return result
 
+    def start(self, messages, should_stop=None, **kw):
+        """The scheduler's entry point: the same gate, delay and record as `generate`."""
+        self.entered.release()
+        self.gate.wait()
+
+        def slow_should_stop():
+            time.sleep(self.token_delay_s)
+            return should_stop is not None and should_stop()
+
+        run = self._engine.start(messages, should_stop=slow_should_stop, **kw)
+        result = run.result
+
+        def recorded():
+            self.results.append(result())
+            return self.results[-1]
+        run.result = recorded
+        return run
+
 
 @pytest.fixture(scope="module")
 def controlled(tiny_dir):  # noqa: F811 - the fixture imported above

@@ -326,7 +326,9 @@ def test_sigterm_queued_get_503_json_running_stream_ends_properly(engines):
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(engines[1]), log_level="warning", timeout_graceful_shutdown=4)
+    # one generation at a time, so that the two after it wait in the queue
+    config = uvicorn.Config(create_app(engines[1], ServerSettings(max_batch=1)), log_level="warning",
+                            timeout_graceful_shutdown=4)
     server = MMKVServer(config, grace_s=1.0)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -338,7 +340,9 @@ def test_sigterm_queued_get_503_json_running_stream_ends_properly(engines):
     first = running.recv(65536)
     assert first.startswith(b"HTTP/1.1 200")
     queued = [_post_raw(port, {**base, "stream": True}), _post_raw(port, {**base, "max_tokens": 5})]
+    deadline = time.monotonic() + 30
     while httpx.get(f"http://127.0.0.1:{port}/health").json()["queue_depth"] < 2:
+        assert time.monotonic() < deadline, "the two requests never queued"
         time.sleep(0.02)
     t0 = time.perf_counter()
     server.handle_exit(signal.SIGTERM, None)

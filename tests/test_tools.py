@@ -24,7 +24,7 @@ def test_valid_tools_and_choices():
     assert check_tools([WEATHER], "required").forced_prefix() == '<tool_call>\n{"name": "'
     named = check_tools([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}})
     assert named.forced_prefix() == '<tool_call>\n{"name": "get_time", "arguments": '
-    assert check_tools(None) is None and check_tools([], "auto") is None
+    assert check_tools(None) is None and check_tools([], "none") is None
 
 
 @pytest.mark.parametrize("tools, choice, param", [
@@ -38,6 +38,7 @@ def test_valid_tools_and_choices():
     ([WEATHER] * 0 + [TIME] * 1, "sometimes", "tool_choice"),
     ([TIME], {"type": "function", "function": {"name": "get_weather"}}, "tool_choice"),
     (None, "required", "tool_choice"),
+    ([], "auto", "tool_choice"),
     ([{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)], None, "tools"),
 ])
 def test_bad_tools_are_refused_naming_the_field(tools, choice, param):
