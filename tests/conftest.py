@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import socket
 import os
 
 import pytest
@@ -49,3 +50,10 @@ def make_png(width: int, height: int, color=(200, 30, 30), seed: int = 0) -> byt
     buf = io.BytesIO()
     img.save(buf, "PNG")
     return buf.getvalue()
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (the OS picks it), for a server started as a subprocess."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -52,28 +52,24 @@ class ControlledEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def generate(self, messages, should_stop=None, **kw):
+    def _gated(self, should_stop):
+        """Wait at the gate (counted as entered); the stop check that also delays each token."""
         self.entered.release()
         self.gate.wait()
 
         def slow_should_stop():
             time.sleep(self.token_delay_s)
             return should_stop is not None and should_stop()
+        return slow_should_stop
 
-        result = self._engine.generate(messages, should_stop=slow_should_stop, **kw)
+    def generate(self, messages, should_stop=None, **kw):
+        result = self._engine.generate(messages, should_stop=self._gated(should_stop), **kw)
         self.results.append(result)
         return result
 
     def start(self, messages, should_stop=None, **kw):
         """The scheduler's entry point: the same gate, delay and record as `generate`."""
-        self.entered.release()
-        self.gate.wait()
-
-        def slow_should_stop():
-            time.sleep(self.token_delay_s)
-            return should_stop is not None and should_stop()
-
-        run = self._engine.start(messages, should_stop=slow_should_stop, **kw)
+        run = self._engine.start(messages, should_stop=self._gated(should_stop), **kw)
         result = run.result
 
         def recorded():

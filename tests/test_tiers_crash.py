@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from conftest import make_png
+from conftest import free_port, make_png
 import mmkv.disk_tier
 import mmkv.durable_registry
 import mmkv.tiers
@@ -93,19 +92,8 @@ def test_sigkill_during_writes_leaves_no_partial_entry(tiny_dirs, tmp_path):
         engine.tiers.disk.check_integrity()
 
 
-def _free_port() -> int:
-    for port in range(8600, 8700):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port in 8600-8699")
-
-
 def _serve(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     with open(log, "a") as out:
         proc = subprocess.Popen([sys.executable, "-m", "mmkv.cli", "serve", *args, "--port", str(port)],
                                 stdout=out, stderr=subprocess.STDOUT)

