@@ -29,20 +29,7 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from mmkv.adapters import ImageFeatures, VLAdapter, load_adapter
 from mmkv.chunks import CachedChunk, chunk_cache_key
-from mmkv.edits import (
-    EditPolicy,
-    EditRules,
-    FieldChange,
-    RecentPrompt,
-    RecentPrompts,
-    TemplateTokens,
-    TokenView,
-    detect_field_change,
-    extended_prompt,
-    insert_before_final_turn,
-    parse_edit_policy,
-    prefill_edited,
-)
+from mmkv.edits import parse_edit_policy
 from mmkv.fingerprint import content_digest, durable_key, image_source_digest, model_fingerprint
 from mmkv.errors import (
     ImageStoreFullError,
@@ -57,22 +44,20 @@ from mmkv.errors import (
 from mmkv.hub import resolve_model
 from mmkv.images import DEFAULT_MAX_IMAGE_PIXELS, PreparedImage, decode_image
 from mmkv.kv_store import KVStore
-from mmkv.messages import ImageRef, SkillRef, check_unicode, erratum_line, parse_messages
-from mmkv.prefix_cache import PrefixCache, block_keys
+from mmkv.messages import ImageRef, SkillRef, check_unicode, parse_messages
+from mmkv.prefix_cache import PrefixCache
 from mmkv.rerotate import POLICIES, target_positions
 from mmkv.decode import DecodeStream
 from mmkv.sampling import SamplingParams, TokenLogprob, TokenTexts
 from mmkv.tools import ContentFilter, ToolCall, ToolSpec, check_tools, template_supports_tools
-from mmkv.splice import Placement, PrefillResult, precompile_chunk, precompile_image, prefill_full, prefill_spliced
+from mmkv.place import EditReport, KVPlacer
+from mmkv.splice import Placement, PrefillResult, precompile_chunk, precompile_image, prefill_full
 from mmkv.tiers import StoreConfig, Tiers
 
 log = logging.getLogger("mmkv.engine")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_MODEL = REPO_ROOT / "samples" / "models" / "qwen2_5_vl-tiny"
 ANCHORS = ("system", "none")
-RECENT_PROMPTS = 16  # per tenant and settings, for edit detection
-RECENT_KEYS = 256  # (tenant, settings) pairs whose recent prompts are kept
-RECENT_BYTES = 64 << 20  # all recent prompts together (4 bytes a token, no tensors)
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # as OpenAI: bounds the stop-string search per token
 PROCESSOR_ONLY = re.compile(r"<\|(vision_[a-z]+|image_pad|video_pad)\|>")  # tokens only the processor places
 
@@ -158,23 +143,6 @@ class Fidelity:
     logit_cosine: float
     max_abs_diff: float
     same_argmax: bool
-
-
-@dataclass
-class EditReport:
-    """What an edit policy did with a detected field change."""
-
-    policy: str  # asked for
-    detected: bool
-    applied: str = "recompute"  # what ran: the policy, or recompute when it had nothing to act on
-    field: str = ""
-    old_value: str = ""
-    new_value: str = ""
-    changed_tokens: int = 0  # new value's tokens
-    recomputed_tokens: int = 0  # LM tokens computed for the prompt
-    reused_tokens: int = 0  # prompt tokens whose KV came from a cache
-    erratum: str = ""  # the erratum line appended (erratum policy)
-    reason: str = ""  # why the policy asked for did not apply (then `applied` is recompute)
 
 
 @dataclass
@@ -318,8 +286,6 @@ class Engine:
         self.prefix = PrefixCache(self.cache)
         self._images: dict[tuple[str, str], _Registered] = {}
         self._skills: dict[tuple[str, str], _Skill] = {}
-        self._recent = RecentPrompts(RECENT_PROMPTS, RECENT_KEYS, RECENT_BYTES)
-        self._deferred_insert: Callable[[], object] | None = None  # set by a prefill, taken by its Run
         self._lock = threading.RLock()
         self._image_store_bytes = 0  # sources of every registered image
         self._fresh: set[str] = set()  # chunk keys precompiled since the current request began
@@ -329,13 +295,13 @@ class Engine:
         self.grid_settings = f"{ip.size}|patch={ip.patch_size}|merge={ip.merge_size}"
         self.anchor_ids = self._anchor_ids() if self.settings.anchor == "system" else torch.empty(0, dtype=torch.long)
         self.stop_ids = self._stop_ids()
-        self._template_tokens = self._template_token_ids()
-        self._edit_rules = EditRules(max_tokens=self.settings.edit_max_tokens)
         self.vocab_size = int(adapter.text_config.vocab_size)
         self.banned_ids = self._processor_only_ids()
         self.token_texts = TokenTexts(adapter.tokenizer)
         limit = adapter.text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context or limit, limit)
+        # place cached KV (edit detection, edit policies, prefix cache, splice): mmkv.place
+        self.placer = KVPlacer(adapter, self.cache, self.prefix, self.settings, self._plan, self.max_context)
         # Disk and shared tiers under the RAM store (None: RAM only); their uploads and skills come back.
         self.tiers = Tiers.open(store, self.fingerprint, adapter.num_layers, adapter.dtype, adapter.device)
         self._restore()
@@ -392,18 +358,6 @@ class Engine:
 
     def _tokenize(self, text: str) -> torch.Tensor:
         return torch.tensor(self.adapter.tokenizer(text)["input_ids"], dtype=torch.long)
-
-    def _template_token_ids(self) -> TemplateTokens:
-        """What edit detection needs to know of the chat template: turn markers and the ids that
-        only the template or the processor places (every added special token)."""
-        tok = self.adapter.tokenizer
-        special = set(tok.added_tokens_decoder) | set(tok.all_special_ids)
-        return TemplateTokens(
-            turn_start=tok.convert_tokens_to_ids("<|im_start|>"),
-            generation_prompt=tuple(tok("<|im_start|>assistant\n")["input_ids"]),
-            special=frozenset(special),
-            decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
-        )
 
     def _stop_ids(self) -> set[int]:
         ids = set()
@@ -891,7 +845,8 @@ class Engine:
             report = None
             if reuse:
                 plan = self._plan(input_ids, [(s, self._chunk_for(r, tenant)) for s, r in spans], policy)
-                prefill, plan, report = self._prefill_reuse(plan, tenant, seam, policy, edit, max_new_tokens)
+                prefill, plan, report = self.placer.prefill(plan, tenant, self._salt(tenant, seam, policy), seam,
+                                                            policy, edit, max_new_tokens)
             else:
                 grids = [r.grid_thw for r in resolved if isinstance(r, _Registered)]
                 native = self.adapter.native_positions(input_ids, grids)
@@ -918,7 +873,7 @@ class Engine:
                 seam_tokens=seam, rope_policy=policy, reuse=reuse, prefix_tokens_reused=reused_kinds["prefix"],
                 skill_tokens_reused=reused_kinds["skill"], fidelity=fid, edit=report,
                 first_logits=prefill.logits[0].cpu())
-            deferred, self._deferred_insert = self._deferred_insert, None
+            deferred, self.placer.deferred_insert = self.placer.deferred_insert, None
             return Run(stream, prefill.cache, prefill.logits[0], report_fields, calls, tool_spec, on_text,
                        self._run_under_lock(deferred))
 
@@ -934,124 +889,6 @@ class Engine:
     def _salt(self, tenant: str, seam: int, policy: str) -> str:
         """Root of the prefix tree: who asked, and every setting that changes spliced KV."""
         return "|".join((tenant, self.fingerprint, self.grid_settings, self.settings.anchor, str(seam), policy))
-
-    def _prefill_reuse(self, plan: SplicePlan, tenant: str, seam: int, policy: str, edit: EditPolicy,
-                       max_new_tokens: int) -> tuple[PrefillResult, SplicePlan, EditReport | None]:
-        """Edit detection, then the edit policy, then prefix cache + splice. Returns the prefill,
-        the plan actually prefilled (the erratum policy rewrites the prompt) and the edit report.
-        A policy that cannot apply, or fails, falls back to the exact path (recompute) and the
-        report says why: a policy never turns an answerable request into an error."""
-        salt = self._salt(tenant, seam, policy)
-        recent = self._recent.of((tenant, salt))
-        client = TokenView.of(plan.input_ids, plan.placements)
-        change = detect_field_change(client, recent, self._template_tokens, self._edit_rules)
-        report = None
-        if change is not None:
-            report = EditReport(str(edit), True, field=change.field, old_value=change.old_value,
-                                new_value=change.new_value, changed_tokens=change.new_len)
-        elif edit.name != "recompute":
-            report = EditReport(str(edit), False)
-        result = None
-        if edit.name != "recompute":
-            try:
-                result, plan = self._apply_edit_policy(edit, plan, client, change, report, recent, salt, seam,
-                                                       policy, max_new_tokens)
-            except Exception as exc:  # noqa: BLE001 - the exact path below answers instead
-                log.warning("edit policy %s failed, recomputing: %r", edit, exc)
-                result = None  # `plan` is still the client's: the exception came before any rewrite
-                report.applied, report.reason = "recompute", f"{edit} failed ({type(exc).__name__}); recomputed"
-        if result is None:
-            result = self._prefill_prefix(plan, salt, seam, policy)
-            if self.settings.prefix_cache:  # the edit policies build on the prefix cache
-                rewritten = report is not None and report.applied == "erratum"
-                prefilled = TokenView.of(plan.input_ids, plan.placements) if rewritten else client
-                self._recent.add((tenant, salt), RecentPrompt(client, prefilled))
-        if report is not None:
-            report.recomputed_tokens, report.reused_tokens = result.computed_tokens, result.reused_tokens
-        return result, plan, report
-
-    def _apply_edit_policy(self, edit: EditPolicy, plan: SplicePlan, client: TokenView, change: FieldChange | None,
-                           report: EditReport, recent: list[RecentPrompt], salt: str, seam: int, policy: str,
-                           max_new_tokens: int) -> tuple[PrefillResult | None, SplicePlan]:
-        """Run `edit`: the erratum policy returns the rewritten plan (prefilled by the caller);
-        in_place / selective@K return their prefill. Sets report.applied and, when the policy
-        cannot apply, report.reason (the caller then recomputes `plan`)."""
-        if edit.name == "erratum":
-            rewritten = self._erratum_plan(plan, client, change, recent, policy)
-            if rewritten is None:
-                report.reason = "no field change" if change is None else "a chunk of the earlier prompt was evicted"
-                return None, plan
-            new_plan, line = rewritten
-            if new_plan.input_ids.numel() + max_new_tokens > self.max_context:
-                report.reason = "the prompt with its erratum would exceed the context"
-                return None, plan
-            report.applied, report.erratum = "erratum", line
-            return None, new_plan
-        if change is None:
-            report.reason = "no field change"
-            return None, plan
-        if change.prompt.rewritten:
-            report.reason = "the earlier prompt was rewritten by an erratum"
-            return None, plan
-        old = change.prompt.prefilled
-        old_keys = block_keys(torch.from_numpy(old.ids).long(), old.chunk_keys(), salt)
-        result = prefill_edited(self.adapter, self.cache, plan, change, old_keys, seam, edit.k,
-                                self.settings.selective_layer, rotate=policy != "none")
-        if result is None:
-            report.reason = "the earlier prompt's KV is no longer cached past the change"
-            return None, plan
-        report.applied = str(edit)
-        return result, plan
-
-    def _prefill_prefix(self, plan: SplicePlan, salt: str, seam: int, policy: str) -> PrefillResult:
-        """The exact reuse path: the longest cached prompt prefix, then splice; full blocks go back."""
-        keys = block_keys(plan.input_ids, plan.chunk_keys, salt) if self.settings.prefix_cache else []
-        blocks = self.prefix.lookup(keys, plan.input_ids.numel()) if keys else []
-        cache = self.adapter.new_cache()
-        self.prefix.load(blocks, cache, self.adapter.device)
-        start = len(blocks) * self.prefix.block
-        result = prefill_spliced(self.adapter, plan.input_ids, plan.positions, plan.placements, seam,
-                                 rotate=policy != "none", cache=cache, start=start)
-        if keys:  # stored once the first token is out (Run.first_token_out): off the TTFT path
-            cache, n = result.cache, plan.input_ids.numel()
-            self._deferred_insert = lambda: self.prefix.insert(keys, cache, plan.positions, len(blocks), n)
-        return result
-
-    def _erratum_plan(self, plan: SplicePlan, client: TokenView, change: FieldChange | None,
-                      recent: list[RecentPrompt], policy: str) -> tuple[SplicePlan, str] | None:
-        """Keep the old prompt whole and append: with a detected change, the new prompt's tail
-        with the erratum line at the start of its final user turn; when the prompt extends an
-        earlier rewritten one, that rewrite plus the new tail. None when neither applies, or a
-        chunk of the old prompt is no longer cached."""
-        if change is not None:
-            base, tail_from = change.prompt, change.start + change.new_len + change.rest
-        else:
-            base = extended_prompt(client, recent)
-            if base is None:
-                return None
-            tail_from = len(base.client)
-        old = base.prefilled
-        spans = []
-        for s, _, key, kind in old.spans:
-            entry = self.cache.get(key, kind)
-            if entry is None:
-                return None
-            spans.append((s, entry))
-        client_ids = client.ids.tolist()
-        old_ids = old.ids.tolist()
-        ids, at, line = old_ids + client_ids[tail_from:], len(old_ids) + len(client_ids) - tail_from, ""
-        if change is not None:
-            line = erratum_line(change.field, change.new_value)
-            tok = self.adapter.tokenizer
-            ids, at = insert_before_final_turn(
-                ids, tok("<|im_start|>user\n")["input_ids"], tok(line + "\n")["input_ids"],
-                tok("<|im_end|>\n")["input_ids"], tok("<|im_start|>assistant\n")["input_ids"], len(old_ids))
-        inserted = len(ids) - len(old_ids) - (len(client_ids) - tail_from)
-        for p in plan.placements:
-            if p.start >= tail_from:
-                start = p.start - tail_from + len(old_ids)
-                spans.append((start + inserted if start >= at else start, p.entry))
-        return self._plan(torch.tensor(ids, dtype=torch.long), spans, policy), line
 
     def _reused_by_kind(self, plan: SplicePlan, prefill: PrefillResult, fresh: set[str]) -> dict[str, int]:
         """Prompt tokens whose KV existed before the request: all of them (usage.cached_tokens),

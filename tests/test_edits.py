@@ -305,7 +305,7 @@ def test_a_failing_policy_recomputes_and_says_why(engine, monkeypatch):
     def broken(*args, **kwargs):
         raise StopIteration("injected")
 
-    monkeypatch.setattr("mmkv.engine.prefill_edited", broken)
+    monkeypatch.setattr("mmkv.place.prefill_edited", broken)
     engine.generate(_with_field("order_status: {v}", "pending"), max_new_tokens=1, tenant="broken")
     msgs = _with_field("order_status: {v}", "shipped")
     r = engine.generate(msgs, max_new_tokens=1, tenant="broken", edit_policy="in_place")
@@ -337,5 +337,5 @@ def test_recent_prompts_keep_no_chunk_alive_and_are_counted(tiny_dirs):
         eng.remove_image(image_id)
     gc.collect()
     assert all(r() is None for r in refs), "a removed image's KV is still referenced"
-    recent = eng._recent
+    recent = eng.placer.recent
     assert len(recent) == 4 and 0 < recent.nbytes <= 4 * 4 * 200 + 4 * 2 * 64

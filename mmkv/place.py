@@ -1,0 +1,201 @@
+"""Place cached KV: the stage between the plan and the forward. Edit detection against recent
+prompts, then the edit policy (mmkv.edits), then the exact reuse path: the longest cached prompt
+prefix and the splice of every cached chunk (mmkv.splice). Its prefix blocks are stored once the
+request's first token is out (`deferred_insert`, taken by the request's Run).
+
+Not thread-safe: the engine's lock covers every call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from mmkv.edits import (
+    EditPolicy,
+    EditRules,
+    FieldChange,
+    RecentPrompt,
+    RecentPrompts,
+    TemplateTokens,
+    TokenView,
+    detect_field_change,
+    extended_prompt,
+    insert_before_final_turn,
+    prefill_edited,
+)
+from mmkv.messages import erratum_line
+from mmkv.prefix_cache import block_keys
+from mmkv.splice import PrefillResult, prefill_spliced
+
+if TYPE_CHECKING:
+    from mmkv.engine import SplicePlan
+
+log = logging.getLogger("mmkv.engine")
+RECENT_PROMPTS = 16  # per tenant and settings, for edit detection
+RECENT_KEYS = 256  # (tenant, settings) pairs whose recent prompts are kept
+RECENT_BYTES = 64 << 20  # all recent prompts together (4 bytes a token, no tensors)
+
+
+@dataclass
+class EditReport:
+    """What an edit policy did with a detected field change."""
+
+    policy: str  # asked for
+    detected: bool
+    applied: str = "recompute"  # what ran: the policy, or recompute when it had nothing to act on
+    field: str = ""
+    old_value: str = ""
+    new_value: str = ""
+    changed_tokens: int = 0  # new value's tokens
+    recomputed_tokens: int = 0  # LM tokens computed for the prompt
+    reused_tokens: int = 0  # prompt tokens whose KV came from a cache
+    erratum: str = ""  # the erratum line appended (erratum policy)
+    reason: str = ""  # why the policy asked for did not apply (then `applied` is recompute)
+
+
+def template_tokens_of(tokenizer) -> TemplateTokens:
+    """What edit detection needs to know of the chat template: turn markers and the ids that
+    only the template or the processor places (every added special token)."""
+    special = set(tokenizer.added_tokens_decoder) | set(tokenizer.all_special_ids)
+    return TemplateTokens(
+        turn_start=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        generation_prompt=tuple(tokenizer("<|im_start|>assistant\n")["input_ids"]),
+        special=frozenset(special),
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+    )
+
+
+class KVPlacer:
+    """Owns the recent prompts and the edit rules; `prefill` places a request's cached KV and
+    runs its one forward (module docstring)."""
+
+    def __init__(self, adapter, store, prefix, settings, make_plan: Callable, max_context: int):
+        self.adapter, self.store, self.prefix, self.settings = adapter, store, prefix, settings
+        self.make_plan = make_plan  # (input_ids, [(start, chunk)], policy) -> SplicePlan
+        self.max_context = max_context
+        self.recent = RecentPrompts(RECENT_PROMPTS, RECENT_KEYS, RECENT_BYTES)
+        self.template_tokens = template_tokens_of(adapter.tokenizer)
+        self.edit_rules = EditRules(max_tokens=settings.edit_max_tokens)
+        self.deferred_insert: Callable[[], object] | None = None  # set by a prefill, taken by its Run
+
+    def prefill(self, plan: SplicePlan, tenant: str, salt: str, seam: int, policy: str, edit: EditPolicy,
+                max_new_tokens: int) -> tuple[PrefillResult, SplicePlan, EditReport | None]:
+        """Edit detection, then the edit policy, then prefix cache + splice. Returns the prefill,
+        the plan actually prefilled (the erratum policy rewrites the prompt) and the edit report.
+        A policy that cannot apply, or fails, falls back to the exact path (recompute) and the
+        report says why: a policy never turns an answerable request into an error."""
+        recent = self.recent.of((tenant, salt))
+        client = TokenView.of(plan.input_ids, plan.placements)
+        change = detect_field_change(client, recent, self.template_tokens, self.edit_rules)
+        report = None
+        if change is not None:
+            report = EditReport(str(edit), True, field=change.field, old_value=change.old_value,
+                                new_value=change.new_value, changed_tokens=change.new_len)
+        elif edit.name != "recompute":
+            report = EditReport(str(edit), False)
+        result = None
+        if edit.name != "recompute":
+            try:
+                result, plan = self._apply_edit_policy(edit, plan, client, change, report, recent, salt, seam,
+                                                       policy, max_new_tokens)
+            except Exception as exc:  # noqa: BLE001 - the exact path below answers instead
+                log.warning("edit policy %s failed, recomputing: %r", edit, exc)
+                result = None  # `plan` is still the client's: the exception came before any rewrite
+                report.applied, report.reason = "recompute", f"{edit} failed ({type(exc).__name__}); recomputed"
+        if result is None:
+            result = self._prefill_prefix(plan, salt, seam, policy)
+            if self.settings.prefix_cache:  # the edit policies build on the prefix cache
+                rewritten = report is not None and report.applied == "erratum"
+                prefilled = TokenView.of(plan.input_ids, plan.placements) if rewritten else client
+                self.recent.add((tenant, salt), RecentPrompt(client, prefilled))
+        if report is not None:
+            report.recomputed_tokens, report.reused_tokens = result.computed_tokens, result.reused_tokens
+        return result, plan, report
+
+    def _apply_edit_policy(self, edit: EditPolicy, plan: SplicePlan, client: TokenView, change: FieldChange | None,
+                           report: EditReport, recent: list[RecentPrompt], salt: str, seam: int, policy: str,
+                           max_new_tokens: int) -> tuple[PrefillResult | None, SplicePlan]:
+        """Run `edit`: the erratum policy returns the rewritten plan (prefilled by the caller);
+        in_place / selective@K return their prefill. Sets report.applied and, when the policy
+        cannot apply, report.reason (the caller then recomputes `plan`)."""
+        if edit.name == "erratum":
+            rewritten = self._erratum_plan(plan, client, change, recent, policy)
+            if rewritten is None:
+                report.reason = "no field change" if change is None else "a chunk of the earlier prompt was evicted"
+                return None, plan
+            new_plan, line = rewritten
+            if new_plan.input_ids.numel() + max_new_tokens > self.max_context:
+                report.reason = "the prompt with its erratum would exceed the context"
+                return None, plan
+            report.applied, report.erratum = "erratum", line
+            return None, new_plan
+        if change is None:
+            report.reason = "no field change"
+            return None, plan
+        if change.prompt.rewritten:
+            report.reason = "the earlier prompt was rewritten by an erratum"
+            return None, plan
+        old = change.prompt.prefilled
+        old_keys = block_keys(torch.from_numpy(old.ids).long(), old.chunk_keys(), salt)
+        result = prefill_edited(self.adapter, self.store, plan, change, old_keys, seam, edit.k,
+                                self.settings.selective_layer, rotate=policy != "none")
+        if result is None:
+            report.reason = "the earlier prompt's KV is no longer cached past the change"
+            return None, plan
+        report.applied = str(edit)
+        return result, plan
+
+    def _prefill_prefix(self, plan: SplicePlan, salt: str, seam: int, policy: str) -> PrefillResult:
+        """The exact reuse path: the longest cached prompt prefix, then splice; full blocks go back."""
+        keys = block_keys(plan.input_ids, plan.chunk_keys, salt) if self.settings.prefix_cache else []
+        blocks = self.prefix.lookup(keys, plan.input_ids.numel()) if keys else []
+        cache = self.adapter.new_cache()
+        self.prefix.load(blocks, cache, self.adapter.device)
+        start = len(blocks) * self.prefix.block
+        result = prefill_spliced(self.adapter, plan.input_ids, plan.positions, plan.placements, seam,
+                                 rotate=policy != "none", cache=cache, start=start)
+        if keys:  # stored once the first token is out (Run.first_token_out): off the TTFT path
+            cache, n = result.cache, plan.input_ids.numel()
+            self.deferred_insert = lambda: self.prefix.insert(keys, cache, plan.positions, len(blocks), n)
+        return result
+
+    def _erratum_plan(self, plan: SplicePlan, client: TokenView, change: FieldChange | None,
+                      recent: list[RecentPrompt], policy: str) -> tuple[SplicePlan, str] | None:
+        """Keep the old prompt whole and append: with a detected change, the new prompt's tail
+        with the erratum line at the start of its final user turn; when the prompt extends an
+        earlier rewritten one, that rewrite plus the new tail. None when neither applies, or a
+        chunk of the old prompt is no longer cached."""
+        if change is not None:
+            base, tail_from = change.prompt, change.start + change.new_len + change.rest
+        else:
+            base = extended_prompt(client, recent)
+            if base is None:
+                return None
+            tail_from = len(base.client)
+        old = base.prefilled
+        spans = []
+        for s, _, key, kind in old.spans:
+            entry = self.store.get(key, kind)
+            if entry is None:
+                return None
+            spans.append((s, entry))
+        client_ids = client.ids.tolist()
+        old_ids = old.ids.tolist()
+        ids, at, line = old_ids + client_ids[tail_from:], len(old_ids) + len(client_ids) - tail_from, ""
+        if change is not None:
+            line = erratum_line(change.field, change.new_value)
+            tok = self.adapter.tokenizer
+            ids, at = insert_before_final_turn(
+                ids, tok("<|im_start|>user\n")["input_ids"], tok(line + "\n")["input_ids"],
+                tok("<|im_end|>\n")["input_ids"], tok("<|im_start|>assistant\n")["input_ids"], len(old_ids))
+        inserted = len(ids) - len(old_ids) - (len(client_ids) - tail_from)
+        for p in plan.placements:
+            if p.start >= tail_from:
+                start = p.start - tail_from + len(old_ids)
+                spans.append((start + inserted if start >= at else start, p.entry))
+        return self.make_plan(torch.tensor(ids, dtype=torch.long), spans, policy), line
