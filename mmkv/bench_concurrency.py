@@ -5,7 +5,9 @@ For N clients (1, 4, 8) each sends one streamed chat with `--tokens` completion 
 tokens banned, so every answer has the same length); the table gives aggregate completion tokens
 per second and p50 / p90 TTFT, for the server with `--max-batch 8` (batched) and `--max-batch 1`
 (serial: what mmkv did before the scheduler). A last row: a short request's TTFT alone and while
-4 long decodes run. Arms alternate round by round; each cell is the median over `--rounds`.
+4 long decodes run. Arms alternate round by round; each cell is the median over `--rounds`. The
+clients run in a separate process, so their JSON parsing does not compete with the server for
+the interpreter.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import json
 import platform
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from typing import Annotated
@@ -56,14 +60,35 @@ def _stream(url: str, body: dict, out: list, i: int) -> None:
     out[i] = (first if first is not None else time.perf_counter() - t0, time.perf_counter() - t0, tokens)
 
 
-def _clients(url: str, bodies: list[dict]) -> list[tuple[float, float, int]]:
+def _run_clients(url: str, bodies: list[dict]) -> dict:
+    """In the client process: every body at once, one thread each; the wall time and each result."""
     out: list = [None] * len(bodies)
     threads = [threading.Thread(target=_stream, args=(url, b, out, i)) for i, b in enumerate(bodies)]
+    t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return {"wall": time.perf_counter() - t0, "results": out}
+
+
+def _spawn(url: str, bodies: list[dict]) -> subprocess.Popen:
+    code = ("import json, sys; from mmkv.bench_concurrency import _run_clients; "
+            "url, bodies = json.load(sys.stdin); print(json.dumps(_run_clients(url, bodies)))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc.stdin.write(json.dumps([url, bodies]))
+    proc.stdin.close()
+    return proc
+
+
+def _collect(proc: subprocess.Popen) -> dict:
+    out = json.loads(proc.stdout.read())
+    proc.wait()
     return out
+
+
+def _clients(url: str, bodies: list[dict]) -> dict:
+    return _collect(_spawn(url, bodies))
 
 
 def _body(engine, tokens: int, i: int) -> dict:
@@ -97,30 +122,24 @@ def bench_concurrency_command(
         for _ in range(rounds):
             for n in (1, 4, 8):
                 for arm, (_, _, url) in servers.items():
-                    t0 = time.perf_counter()
                     got = _clients(url, [_body(engine, tokens, i) for i in range(n)])
-                    wall = time.perf_counter() - t0
-                    cells.setdefault((arm, n), []).append((sum(g[2] for g in got) / wall, [g[0] for g in got]))
+                    rate = sum(g[2] for g in got["results"]) / got["wall"]
+                    cells.setdefault((arm, n), []).append((rate, [g[0] for g in got["results"]]))
             for arm, (_, _, url) in servers.items():
-                alone = _clients(url, [_body(engine, 2, 99)])[0][0]
-                out: list = [None] * 5
-                longs = [threading.Thread(target=_stream, args=(url, _body(engine, tokens * 4, i), out, i))
-                         for i in range(4)]
-                for t in longs:
-                    t.start()
-                time.sleep(0.5)  # the long decodes are running
-                _stream(url, _body(engine, 2, 98), out, 4)
-                for t in longs:
-                    t.join()
+                alone = _clients(url, [_body(engine, 2, 99)])["results"][0][0]
+                longs = _spawn(url, [_body(engine, tokens * 4, i) for i in range(4)])
+                time.sleep(2.0)  # the client process is up and the long decodes are running
+                busy = _clients(url, [_body(engine, 2, 98)])["results"][0][0]
+                _collect(longs)
                 short.setdefault((arm, "alone"), []).append(alone)
-                short.setdefault((arm, "busy"), []).append(out[4][0])
+                short.setdefault((arm, "busy"), []).append(busy)
     finally:
         for server, thread, _ in servers.values():
             server.should_exit = True
             thread.join(10)
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {threads} threads, "
           f"model {model_dir or config} ({engine.adapter.num_layers} layers), {tokens} tokens per request, "
-          f"median of {rounds} rounds, HTTP on loopback")
+          f"median of {rounds} rounds, HTTP on loopback, clients in another process")
     print(f"{'clients':>7} {'arm':>8} {'tokens/s':>9} {'vs 1 client':>12} {'p50 TTFT ms':>12} {'p90 TTFT ms':>12}")
     for n in (1, 4, 8):
         for arm in servers:
