@@ -1,6 +1,7 @@
 """Running the app under uvicorn with mmkv's connection limits and graceful shutdown.
 
-Slow clients: uvicorn bounds concurrent connections (`limit_concurrency`, 503 beyond), idle
+Slow clients: uvicorn bounds concurrent connections (`limit_concurrency`, 503 beyond, made an
+OpenAI error JSON by `json_limit_errors`), idle
 keep-alive time and header size, but not the time to send the request headers, so a client
 that sends half a request line holds its connection forever; `HeaderTimeoutProtocol` closes it
 after `header_timeout_s`. The body's deadline is the app's (408, server/edge.py).
@@ -12,9 +13,11 @@ requests get 503, and only after that does uvicorn's own (later) deadline cut an
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import uvicorn
+from uvicorn.protocols.http import h11_impl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 _UVICORN_MARGIN_S = 3.0  # uvicorn's deadline comes this long after ours: streams end on our terms
@@ -87,8 +90,28 @@ class MMKVServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+_LIMIT_BODY = json.dumps({"error": {
+    "message": "the server is at its connection limit (--max-connections); retry shortly",
+    "type": "server_error", "param": None, "code": "too_many_connections"}}).encode()
+
+
+async def _limit_error(scope, receive, send) -> None:
+    """uvicorn's answer past `limit_concurrency`, as an OpenAI error body instead of plain text."""
+    await send({"type": "http.response.start", "status": 503, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(_LIMIT_BODY)).encode()),
+        (b"retry-after", b"1"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": _LIMIT_BODY, "more_body": False})
+
+
+def json_limit_errors() -> None:
+    """Make uvicorn's h11 protocol answer its concurrency limit with `_limit_error`. uvicorn has no
+    hook for it: the protocol module's `service_unavailable` is replaced, for this process."""
+    h11_impl.service_unavailable = _limit_error
+
+
 def serve(app, host: str, port: int, limits: ConnectionLimits, **uvicorn_kw) -> None:
     """Serve `app` (from create_app) until SIGINT / SIGTERM."""
+    json_limit_errors()
     protocol = type("Protocol", (HeaderTimeoutProtocol,), {"header_timeout_s": limits.header_timeout_s})
     config = uvicorn.Config(app, host=host, port=port, http=protocol, limit_concurrency=limits.max_connections,
                             timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=limits.max_header_bytes,
