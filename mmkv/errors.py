@@ -88,3 +88,13 @@ class RopeNotComposableError(ModelLoadError):
     position (dynamic NTK, YaRN attention factors, LongRoPE): cached keys cannot be moved."""
 
     code = "rope_not_composable"
+
+
+def settleable(exc: BaseException) -> BaseException:
+    """`exc`, or a RuntimeError for it when it is StopIteration: asyncio cannot raise that into a
+    Future, so a request failed with it would never get its answer."""
+    if isinstance(exc, StopIteration):
+        error = RuntimeError(f"the engine raised {exc!r}")
+        error.__cause__ = exc
+        return error
+    return exc

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from mmkv.errors import MMKVError
+from mmkv.errors import MMKVError, settleable
 
 log = logging.getLogger("mmkv.scheduler")
 
@@ -265,7 +265,5 @@ class Scheduler:
 
 
 def _fail(req: _Request, exc: BaseException) -> None:
-    if isinstance(exc, StopIteration):  # asyncio cannot raise it into a Future
-        exc = RuntimeError(f"the engine raised {exc!r}")
     if not req.future.done():
-        req.future.set_exception(exc)
+        req.future.set_exception(settleable(exc))

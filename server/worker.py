@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmkv.errors import MMKVError
+from mmkv.errors import MMKVError, settleable
 
 log = logging.getLogger("mmkv.server")
 
@@ -125,10 +125,7 @@ class EngineWorker:
         future gets its GenerationResult. QueueFullError when `max_queue` already wait."""
         job = Job(fn=None)
         with self._cond:
-            if self._stopping:
-                raise WorkerStoppedError("the server is shutting down")
-            if self.queue_depth >= self.max_queue:
-                raise QueueFullError(f"the engine queue is full ({self.max_queue} requests waiting); retry shortly")
+            self._check_room()
 
         def started() -> None:
             job.started_at = time.perf_counter()
@@ -146,13 +143,18 @@ class EngineWorker:
         """Queue `fn`; raises QueueFullError when `max_queue` jobs already wait."""
         job = Job(fn)
         with self._cond:
-            if self._stopping:
-                raise WorkerStoppedError("the server is shutting down")
-            if len(self._pending) >= self.max_queue:
-                raise QueueFullError(f"the engine queue is full ({self.max_queue} requests waiting); retry shortly")
+            self._check_room()
             self._pending.append(job)
             self._cond.notify()
         return job
+
+    def _check_room(self) -> None:
+        """Under `_cond`: refuse when stopping (503) or when `max_queue` jobs and generations
+        together already wait (429)."""
+        if self._stopping:
+            raise WorkerStoppedError("the server is shutting down")
+        if self.queue_depth >= self.max_queue:
+            raise QueueFullError(f"the engine queue is full ({self.max_queue} requests waiting); retry shortly")
 
     def cancel(self, job: Job) -> None:
         """Stop `job`: dequeue it if it waits, signal it if it runs; no-op once it finished."""
@@ -186,10 +188,7 @@ class EngineWorker:
             try:
                 result, error = job.fn(self.engine, job.cancelled.is_set), None
             except BaseException as exc:  # noqa: BLE001 - every failure goes back to its request
-                result, error = None, exc
-                if isinstance(exc, StopIteration):  # asyncio cannot raise it into a Future: the request would hang
-                    error = RuntimeError(f"the engine raised {exc!r}")
-                    error.__cause__ = exc
+                result, error = None, settleable(exc)
             job.finished_at = time.perf_counter()
             # Stats first, then release: whoever the result wakes sees counters that include it.
             self._refresh_stats()

@@ -37,13 +37,13 @@ MAX_TOKENS = 6
 class LiveServer:
     """uvicorn serving `app` on a free loopback port, in a thread of this process."""
 
-    def __init__(self, app):
+    def __init__(self, app, **config):
         # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on such sockets, and without it
         # every keep-alive response waits ~40 ms for a delayed ACK.
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.bind(("127.0.0.1", 0))
         self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, **{"log_level": "warning", **config}))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -379,25 +379,17 @@ def test_the_connection_limit_answers_openai_json(engines):
     from mmkv.server.serve import json_limit_errors
 
     json_limit_errors()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engines[1]), log_level="error", http=HeaderTimeoutProtocol,
-                                           limit_concurrency=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
+    live = LiveServer(create_app(engines[1]), log_level="error", http=HeaderTimeoutProtocol, limit_concurrency=2)
+    port = int(live.base_url.rsplit(":", 1)[1])
     try:
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]  # hold the two slots
         time.sleep(0.2)
-        r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+        r = httpx.get(f"{live.base_url}/health", timeout=10)
         assert r.status_code == 503 and r.headers["content-type"] == "application/json"
         assert r.json()["error"]["code"] == "too_many_connections" and int(r.headers["retry-after"]) >= 1
         for c in idle:
             c.close()
         time.sleep(0.2)
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+        assert httpx.get(f"{live.base_url}/health", timeout=10).status_code == 200
     finally:
-        server.should_exit = True
-        thread.join(10)
+        live.close()
