@@ -8,10 +8,17 @@ slots first, then every token the turn computes (text between chunks, seams, the
 single forward that writes its KV into its own slots. Slots are in prompt order, so that forward's
 mask is causal by prompt index: text and seam tokens see everything before them, and a chunk's
 body, never recomputed, keeps the KV it got seeing only itself and its anchor.
+
+Chunked prefill: with `defer=True` the KV is placed but the forward waits in the result
+(`PrefillResult.pending`, a `ChunkedForward`), to run a few tokens at a time between the
+scheduler's decode steps. Each piece is one forward of the next computed tokens (prompt order)
+over every slot written so far; since a token only sees slots before it, which are all written by
+then, the pieces together equal the one forward (within float rounding).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,11 +46,19 @@ class Placement:
 @dataclass
 class PrefillResult:
     cache: DynamicCache
-    logits: torch.Tensor  # [1, V] float32, next-token logits after the prompt
+    logits: torch.Tensor | None  # [1, V] float32, next-token logits after the prompt; None while `pending`
     computed_tokens: int  # LM tokens run through the model for this prompt
     reused_tokens: int  # tokens whose KV came from a cache (chunks re-rotated, prefix blocks)
     reused_ranges: list[tuple[int, int]]  # [start, end) token ranges whose KV was reused
     prefix_tokens: int = 0  # leading tokens taken from the prefix cache
+    pending: ChunkedForward | None = None  # the forward still to run (defer=True); `advance` runs it
+
+    def advance(self, max_tokens: int | None = None) -> bool:
+        """Run the next at most `max_tokens` tokens of the pending forward (None: all of it);
+        True once it is done and `logits` is set."""
+        if self.pending is not None and self.pending.advance(max_tokens):
+            self.logits, self.pending = self.pending.logits, None
+        return self.pending is None
 
 
 @dataclass(frozen=True)
@@ -65,13 +80,14 @@ class SlotLayer(DynamicLayer):
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
         self.slots: torch.Tensor | None = None
+        self.visible = 0  # with `slots`: the buffer's first `visible` slots are returned (the rest unwritten)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if self.slots is None:
             return super().update(key_states, value_states, *args, **kwargs)
         self.keys.index_copy_(-2, self.slots, key_states)
         self.values.index_copy_(-2, self.slots, value_states)
-        return self.keys, self.values
+        return self.keys[:, :, :self.visible], self.values[:, :, :self.visible]
 
 
 def precompile_chunk(adapter: VLAdapter, kind: str, token_ids: torch.Tensor, key: str, anchor_ids: torch.Tensor,
@@ -184,13 +200,14 @@ def _features(placements: list[Placement], ranges: list[tuple[int, int]]) -> Ima
 
 def prefill_spliced(adapter: VLAdapter, input_ids: torch.Tensor, positions: torch.Tensor,
                     placements: list[Placement], seam_tokens: int, rotate: bool = True,
-                    cache: DynamicCache | None = None, start: int = 0) -> PrefillResult:
+                    cache: DynamicCache | None = None, start: int = 0, defer: bool = False) -> PrefillResult:
     """Prefill `input_ids` [L] at `positions` [3, L] with every chunk taken from `placements`.
 
     `cache` may already hold the KV of tokens [0, start) (a prefix-cache hit; any order). The
     result equals one forward pass over the same tokens and positions in which each chunk's tokens
     see only their own chunk (see mmkv.oracle). It runs one LM forward; `cache` is filled in place
-    (its layers become prompt-length buffers) and returned in the result.
+    (its layers become prompt-length buffers) and returned in the result. With `defer` the KV is
+    placed and the forward left in `result.pending` (chunked prefill: `result.advance`).
     """
     if seam_tokens < 0:
         raise ValueError("seam_tokens must be >= 0")
@@ -205,22 +222,70 @@ def prefill_spliced(adapter: VLAdapter, input_ids: torch.Tensor, positions: torc
         place_chunk(layers, p, first, stop, adapter.rope, rotate)
         reused.append((p.start + first, p.start + stop))
     index = torch.cat([torch.arange(a, b) for a, b in layout.computed])  # [Q] prompt indices, ascending
-    logits = forward_into_slots(adapter, cache, layers, input_ids, positions, index,
-                                _features(placements, layout.computed))
-    return PrefillResult(cache, logits, index.numel(), sum(b - a for a, b in reused), reused, start)
+
+    def features(lo: int, hi: int) -> ImageFeatures | None:  # of the computed tokens in prompt [lo, hi)
+        return _features(placements, [(max(a, lo), min(b, hi)) for a, b in layout.computed if a < hi and lo < b])
+
+    forward = ChunkedForward(adapter, cache, input_ids, positions, index, features, layers)
+    result = PrefillResult(cache, None, index.numel(), sum(b - a for a, b in reused), reused, start, forward)
+    if not defer:
+        result.advance()
+    return result
+
+
+class ChunkedForward:
+    """The forward of a turn's computed tokens (`index` [Q], ascending prompt indices), runnable
+    a piece at a time: `advance(n)` runs the next n of them, each seeing every token before it.
+    Into the slots of the preallocated `layers` (the splice, mask causal by prompt index), or, with
+    `layers` None, appended to `cache` by the model's own causal mask (the full recompute, whose
+    `index` is the whole prompt). `features(lo, hi)` gives the visual features of the computed
+    image pads in prompt [lo, hi). Not thread-safe: the engine's lock covers every piece."""
+
+    def __init__(self, adapter: VLAdapter, cache: DynamicCache, input_ids: torch.Tensor, positions: torch.Tensor,
+                 index: torch.Tensor, features: Callable[[int, int], ImageFeatures | None],
+                 layers: list[SlotLayer] | None = None):
+        self.adapter, self.cache, self.layers = adapter, cache, layers
+        self.input_ids, self.positions, self.index, self.features = input_ids, positions, index, features
+        self.done = 0  # tokens of `index` computed so far
+        self.logits: torch.Tensor | None = None  # [1, V] once the last piece ran
+
+    @property
+    def remaining(self) -> int:
+        return self.index.numel() - self.done
+
+    def advance(self, max_tokens: int | None = None) -> bool:
+        """Run the next min(max_tokens, remaining) tokens in one forward (None: all remaining).
+        True once every token ran and `logits` (of the last one) is set."""
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError("a prefill piece must have at least one token")
+        if self.remaining:
+            n = self.remaining if max_tokens is None else min(max_tokens, self.remaining)
+            piece = self.index[self.done:self.done + n]
+            lo, hi = int(piece[0]), int(piece[-1]) + 1
+            if self.layers is None:
+                logits = self.adapter.forward(self.input_ids[lo:hi], self.positions[:, lo:hi], self.cache,
+                                              self.features(lo, hi))
+            else:
+                logits = forward_into_slots(self.adapter, self.cache, self.layers, self.input_ids, self.positions,
+                                            piece, self.features(lo, hi))
+            self.done += n
+            if not self.remaining:
+                self.logits = logits
+        return not self.remaining
 
 
 def forward_into_slots(adapter: VLAdapter, cache: DynamicCache, layers: list[SlotLayer], input_ids: torch.Tensor,
                        positions: torch.Tensor, index: torch.Tensor, features: ImageFeatures | None = None) -> torch.Tensor:
     """One LM forward of the prompt tokens at `index` [Q] (ascending) of `input_ids` [L] /
     `positions` [3, L]: each sees every slot up to its own index (causal by prompt index) and its
-    KV goes into its slot of the preallocated `layers`. Returns last-token logits [1, V]."""
-    total = layers[0].keys.shape[-2]
-    mask = torch.zeros(index.numel(), total, dtype=adapter.dtype)
-    mask.masked_fill_(torch.arange(total)[None, :] > index[:, None], float("-inf"))
+    KV goes into its slot of the preallocated `layers`; attention reads only the slots up to the
+    last of them. Returns last-token logits [1, V]."""
+    visible = int(index[-1]) + 1
+    mask = torch.zeros(index.numel(), visible, dtype=adapter.dtype)
+    mask.masked_fill_(torch.arange(visible)[None, :] > index[:, None], float("-inf"))
     slots = index.to(adapter.device)
     for layer in layers:
-        layer.slots = slots
+        layer.slots, layer.visible = slots, visible
     try:
         return adapter.forward(input_ids[index], positions[:, index], cache, features, attention_mask=mask[None, None])
     finally:
@@ -229,8 +294,18 @@ def forward_into_slots(adapter: VLAdapter, cache: DynamicCache, layers: list[Slo
 
 
 def prefill_full(adapter: VLAdapter, input_ids: torch.Tensor, positions: torch.Tensor,
-                 features: ImageFeatures | None) -> PrefillResult:
-    """The reference: one ordinary causal forward over the whole prompt, no cached KV used."""
+                 features: ImageFeatures | None, defer: bool = False) -> PrefillResult:
+    """The reference: one ordinary causal forward over the whole prompt, no cached KV used. With
+    `defer` the forward is left in `result.pending` (chunked prefill: `result.advance`)."""
     cache = adapter.new_cache()
-    logits = adapter.forward(input_ids, positions, cache, features)
-    return PrefillResult(cache, logits, input_ids.numel(), 0, [])
+    pads = torch.cumsum(torch.cat((torch.zeros(1, dtype=torch.long), (input_ids == adapter.image_token_id).long())), 0)
+
+    def pad_rows(lo: int, hi: int) -> ImageFeatures | None:  # `features` rows of the image pads in [lo, hi)
+        a, b = int(pads[lo]), int(pads[hi])
+        return features.slice(a, b) if features is not None and a < b else None
+
+    forward = ChunkedForward(adapter, cache, input_ids, positions, torch.arange(input_ids.numel()), pad_rows)
+    result = PrefillResult(cache, None, input_ids.numel(), 0, [], pending=forward)
+    if not defer:
+        result.advance()
+    return result
