@@ -147,8 +147,11 @@ def splice_layout(placements: list[Placement], total: int, start: int, seam_toke
 
 def preallocate(adapter: VLAdapter, cache: DynamicCache, start: int, total: int) -> list[SlotLayer]:
     """Give every layer of `cache` (holding `start` tokens) a buffer for `total` tokens, the held
-    KV copied to its front. Returns the new layers (also installed in `cache`)."""
+    KV copied to its front. Returns the new layers (also installed in `cache`). Layers that are
+    prompt-length already (PrefixCache.load wrote tokens [0, start) into them) are used as they are."""
     held = cache.get_seq_length() if cache.layers else 0
+    if start and held == total and all(isinstance(layer, SlotLayer) for layer in cache.layers[:adapter.num_layers]):
+        return list(cache.layers[:adapter.num_layers])
     if held != start:
         raise ValueError(f"the cache holds {held} tokens but start is {start}")
     text = adapter.text_config
