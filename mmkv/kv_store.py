@@ -11,6 +11,12 @@ recomputes.
 Entries may name `sources`: the chunk keys whose KV they contain (a prefix block holding a spliced
 image). `purge(key)` drops a chunk and everything derived from it, so a deleted image or skill
 leaves nothing behind.
+
+Entries may also name `referenced`: stored entries whose tensors they read instead of holding a
+copy (a prefix block inside a spliced chunk references the chunk's KV). Such an entry costs only
+its own bytes, is stored only while every entry it references is the one stored under that key,
+and never outlives one: removing a referenced entry (eviction, purge, discard, replacement)
+removes its referrers and their descendants too.
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ def _sources(entry: Entry) -> frozenset[str]:
     return getattr(entry, "sources", frozenset())
 
 
+def _referenced(entry: Entry) -> tuple[Entry, ...]:
+    return getattr(entry, "referenced", ())
+
+
 class KVStore:
     def __init__(self, budget_bytes: int):
         if budget_bytes < 0:
@@ -42,6 +52,7 @@ class KVStore:
         self._leaves: OrderedDict[str, None] = OrderedDict()  # entries without children, LRU first
         self._children: dict[str, set[str]] = {}  # only for entries that have children
         self._derived: dict[str, set[str]] = {}  # chunk key -> keys of the entries holding its KV
+        self._referrers: dict[str, set[str]] = {}  # key -> keys of the entries reading its tensors
         self._kinds: Counter[str] = Counter()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -62,18 +73,22 @@ class KVStore:
             return entry
 
     def put(self, entry: Entry) -> bool:
-        """Store `entry`, evicting LRU leaves to fit. False if it does not fit or its parent is gone."""
+        """Store `entry`, evicting LRU leaves to fit. False if it does not fit, its parent is gone,
+        or an entry it references is not the one stored under that key."""
         size = entry.nbytes
+        referenced = _referenced(entry)
         with self._lock:
             if entry.key in self._children:
                 return True  # an inner prefix block: the same key is the same content
             if entry.key in self._entries:
                 self._remove(entry.key)
-            if size > self.budget_bytes:
+            if size > self.budget_bytes or not self._all_stored(referenced):
                 return False
-            while self._bytes + size > self.budget_bytes and self._evict_one(protect=entry.parent):
+            protect = {entry.parent, *(r.key for r in referenced)}
+            while self._bytes + size > self.budget_bytes and self._evict_one(protect):
                 pass
-            if self._bytes + size > self.budget_bytes or (entry.parent and entry.parent not in self._entries):
+            if (self._bytes + size > self.budget_bytes or (entry.parent and entry.parent not in self._entries)
+                    or not self._all_stored(referenced)):  # an eviction's cascade may take a parent
                 return False
             self._entries[entry.key] = entry
             self._leaves[entry.key] = None
@@ -84,7 +99,12 @@ class KVStore:
                 self._children.setdefault(entry.parent, set()).add(entry.key)
             for source in _sources(entry):
                 self._derived.setdefault(source, set()).add(entry.key)
+            for r in referenced:
+                self._referrers.setdefault(r.key, set()).add(entry.key)
             return True
+
+    def _all_stored(self, referenced: tuple[Entry, ...]) -> bool:
+        return all(self._entries.get(r.key) is r for r in referenced)
 
     def discard(self, key: str) -> bool:
         """Remove one entry (a prefix block only if it has no children)."""
@@ -101,8 +121,13 @@ class KVStore:
             return self._purge(key)
 
     def _purge(self, key: str) -> int:
-        doomed = [k for k in (key, *self._derived.get(key, ())) if k in self._entries]
-        removed = 0
+        return self._remove_all([key, *self._derived.get(key, ())])
+
+    def _remove_all(self, keys: list[str]) -> int:
+        """Remove `keys` and all their descendants (children first). Returns how many went,
+        referrers that went with a removed entry included."""
+        doomed = [k for k in keys if k in self._entries]
+        before = len(self._entries)
         while doomed:
             k = doomed.pop()
             if k not in self._entries:
@@ -113,21 +138,24 @@ class KVStore:
                 doomed.extend(kids)
                 continue
             self._remove(k)
-            removed += 1
-        return removed
+        return before - len(self._entries)
 
-    def _evict_one(self, protect: str | None) -> bool:
-        for key in self._leaves:  # at most two steps: only `protect` is ever skipped
-            if key != protect:
+    def _evict_one(self, protect: set[str | None]) -> bool:
+        """Evict the LRU leaf not in `protect` (and the referrers that read it). Counts every entry
+        that went."""
+        for key in self._leaves:  # at most len(protect) + 1 steps
+            if key not in protect:
+                before = len(self._entries)
                 self._remove(key)
-                self.evictions += 1
+                self.evictions += before - len(self._entries)
                 return True
         return False
 
     def _remove(self, key: str) -> None:
         """Remove a leaf. A parent left without children becomes the least recently used leaf:
         a prefix lookup touches a block just before its child, so it was last used when its
-        last child was, and that child has just gone as the LRU leaf (or was purged)."""
+        last child was, and that child has just gone as the LRU leaf (or was purged). The entries
+        that reference it go too, with their descendants."""
         entry = self._entries.pop(key)
         del self._leaves[key]
         self._bytes -= entry.nbytes
@@ -137,6 +165,12 @@ class KVStore:
             users.discard(key)
             if not users:
                 del self._derived[source]
+        for r in _referenced(entry):
+            users = self._referrers.get(r.key)  # gone when `r` itself is being removed
+            if users is not None:
+                users.discard(key)
+                if not users:
+                    del self._referrers[r.key]
         if entry.parent:
             siblings = self._children[entry.parent]
             siblings.discard(key)
@@ -144,6 +178,9 @@ class KVStore:
                 del self._children[entry.parent]
                 self._leaves[entry.parent] = None
                 self._leaves.move_to_end(entry.parent, last=False)
+        referrers = self._referrers.pop(key, None)
+        if referrers:
+            self._remove_all(list(referrers))
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
@@ -165,13 +202,15 @@ class KVStore:
     def check_integrity(self) -> None:
         """AssertionError unless bytes match the entries, fit the budget, the prefix tree's child
         sets match its parent links (every block's parent is present), the LRU order holds exactly
-        the leaves, and the per-kind counts and the sources index match the entries."""
+        the leaves, the per-kind counts and the sources index match the entries, and every entry
+        referenced is the one stored under its key."""
         with self._lock:
             total = sum(e.nbytes for e in self._entries.values())
             assert total == self._bytes, f"tracked {self._bytes} bytes but entries hold {total}"
             assert self._bytes <= self.budget_bytes, f"{self._bytes} bytes over the budget {self.budget_bytes}"
             children: dict[str, set[str]] = {}
             derived: dict[str, set[str]] = {}
+            referrers: dict[str, set[str]] = {}
             for key, entry in self._entries.items():
                 assert key == entry.key, f"entry {entry.key} stored under {key}"
                 if entry.parent:
@@ -179,9 +218,13 @@ class KVStore:
                     children.setdefault(entry.parent, set()).add(key)
                 for source in _sources(entry):
                     derived.setdefault(source, set()).add(key)
+                for r in _referenced(entry):
+                    assert self._entries.get(r.key) is r, f"{key} references {r.key}, which is not stored"
+                    referrers.setdefault(r.key, set()).add(key)
                 if hasattr(entry, "__post_init__"):
                     entry.__post_init__()
             assert children == self._children, "child sets out of step with parent links"
             assert derived == self._derived, "sources index out of step with the entries"
+            assert referrers == self._referrers, "referrers index out of step with the entries"
             assert set(self._leaves) == set(self._entries) - set(children), "LRU order is not exactly the leaves"
             assert +self._kinds == Counter(e.kind for e in self._entries.values()), "per-kind counts"

@@ -29,8 +29,9 @@ from mmkv.edits import (
     prefill_edited,
 )
 from mmkv.messages import erratum_line
-from mmkv.prefix_cache import block_keys
-from mmkv.splice import PrefillResult, prefill_spliced
+from mmkv.prefix_cache import ChunkSpan, block_keys
+from mmkv.rerotate import constant_delta
+from mmkv.splice import PrefillResult, preallocate, prefill_spliced, splice_layout
 
 if TYPE_CHECKING:
     from mmkv.engine import SplicePlan
@@ -151,17 +152,23 @@ class KVPlacer:
         return result, plan
 
     def _prefill_prefix(self, plan: SplicePlan, salt: str, seam: int, policy: str) -> PrefillResult:
-        """The exact reuse path: the longest cached prompt prefix, then splice; full blocks go back."""
+        """The exact reuse path: the longest cached prompt prefix, written straight into the
+        prompt-length cache, then splice; full blocks go back (those inside a spliced chunk's body
+        as references to it)."""
         keys = block_keys(plan.input_ids, plan.chunk_keys, salt) if self.settings.prefix_cache else []
-        blocks = self.prefix.lookup(keys, plan.input_ids.numel()) if keys else []
+        n = plan.input_ids.numel()
+        blocks = self.prefix.lookup(keys, n) if keys else []
         cache = self.adapter.new_cache()
-        self.prefix.load(blocks, cache, self.adapter.device)
         start = len(blocks) * self.prefix.block
+        if blocks:
+            self.prefix.load(blocks, preallocate(self.adapter, cache, 0, n))
+        rotate = policy != "none"
         result = prefill_spliced(self.adapter, plan.input_ids, plan.positions, plan.placements, seam,
-                                 rotate=policy != "none", cache=cache, start=start)
+                                 rotate=rotate, cache=cache, start=start)
         if keys:  # stored once the first token is out (Run.first_token_out): off the TTFT path
-            cache, n = result.cache, plan.input_ids.numel()
-            self.deferred_insert = lambda: self.prefix.insert(keys, cache, plan.positions, len(blocks), n)
+            cache, rope = result.cache, self.adapter.rope
+            spans = chunk_spans(plan, n, start, seam, rotate)
+            self.deferred_insert = lambda: self.prefix.insert(keys, cache, plan.positions, len(blocks), n, spans, rope)
         return result
 
     def _erratum_plan(self, plan: SplicePlan, client: TokenView, change: FieldChange | None,
@@ -199,3 +206,15 @@ class KVPlacer:
                 start = p.start - tail_from + len(old_ids)
                 spans.append((start + inserted if start >= at else start, p.entry))
         return self.make_plan(torch.tensor(ids, dtype=torch.long), spans, policy), line
+
+
+def chunk_spans(plan: SplicePlan, total: int, start: int, seam: int, rotate: bool) -> list[ChunkSpan]:
+    """The prompt ranges whose KV `prefill_spliced` placed from a chunk's cached body, with the
+    constant per-axis shift it turned the keys by (none with `rotate` off): the same layout and
+    shift as `splice.place_chunk`, so a block inside one can reference the chunk exactly."""
+    spans = []
+    for p, first, stop in splice_layout(plan.placements, total, start, seam).reused:
+        shift = constant_delta(p.entry.position_ids[:, first:stop], p.target[:, first:stop]) if rotate else (0, 0, 0)
+        if shift is not None:  # positions that do not move together are copied into blocks instead
+            spans.append(ChunkSpan(p.start + first, p.start + stop, p.entry, first, shift))
+    return spans

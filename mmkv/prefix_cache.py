@@ -7,19 +7,28 @@ salt and the splice settings sit at the root. Only full blocks are stored; a loo
 at len-1 tokens so the last prompt token is always computed. Each block names the chunks spliced
 into its tokens (`sources`), so deleting an image or skill purges the blocks holding its KV and,
 through the tree, every block after them.
+
+A block whose tokens all came from one chunk's cached body (rotated into place, not recomputed)
+holds no copy: a `ChunkRefBlock` names the chunk, the offset and the per-axis position change
+its keys were turned by, and costs only its metadata in the store's budget. The KV store keeps it
+only while that very chunk is stored and drops it (and the blocks after it) with the chunk.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import xxhash
-from transformers import DynamicCache
 
+from mmkv.adapters import RopeLayout
+from mmkv.chunks import CachedChunk
 from mmkv.kv_store import KVStore
+from mmkv.rerotate import rotate_into, rotation
 
 BLOCK_TOKENS = 16
+REF_BYTES = 3 * 32 + 8 + 3 * 8  # a reference's fields: its, its parent's and its chunk's 32-digit keys, offset, shift
 
 
 class BlockKey(str):
@@ -36,6 +45,8 @@ class BlockKey(str):
 
 @dataclass
 class PrefixBlock:
+    """A block's own copy of its KV."""
+
     key: str
     parent: str | None
     positions: torch.Tensor  # [3, B] positions the block's keys were rotated for
@@ -47,6 +58,67 @@ class PrefixBlock:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+@dataclass
+class ChunkRefBlock:
+    """A block inside a spliced chunk's body: its KV is the chunk's tokens [offset, offset + B)
+    with the keys turned by `shift` (per axis). `keys` / `values` / `positions` are computed on
+    demand (the edit policies read them); `PrefixCache.load` rotates straight into the cache."""
+
+    key: str
+    parent: str | None
+    chunk: CachedChunk
+    offset: int  # chunk token index of the block's first token
+    size: int  # tokens
+    shift: tuple[int, int, int]  # position change (t, h, w) from the chunk's positions to the prompt's
+    rope: RopeLayout
+    sources: frozenset[str] = frozenset()
+    kind = "prefix"
+
+    def __post_init__(self):
+        assert 0 <= self.offset and self.offset + self.size <= self.chunk.num_tokens, "block inside its chunk"
+
+    @property
+    def referenced(self) -> tuple[CachedChunk]:
+        return (self.chunk,)
+
+    @property
+    def nbytes(self) -> int:
+        return REF_BYTES
+
+    @property
+    def positions(self) -> torch.Tensor:
+        pos = self.chunk.position_ids[:, self.offset:self.offset + self.size]
+        return pos + torch.tensor(self.shift, dtype=pos.dtype)[:, None]
+
+    @property
+    def keys(self) -> tuple[torch.Tensor, ...]:
+        sl = slice(self.offset, self.offset + self.size)
+        return tuple(_turned(torch.empty_like(k[:, sl]), k[:, sl], self.shift, self.rope) for k in self.chunk.keys)
+
+    @property
+    def values(self) -> tuple[torch.Tensor, ...]:
+        return tuple(v[:, self.offset:self.offset + self.size] for v in self.chunk.values)
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """Prompt tokens [start, stop) whose KV was placed from `chunk`'s tokens [offset, ...), keys
+    turned by the constant per-axis `shift`: where a request's blocks may reference a chunk."""
+
+    start: int
+    stop: int
+    chunk: CachedChunk
+    offset: int
+    shift: tuple[int, int, int]
+
+
+def _turned(out: torch.Tensor, keys: torch.Tensor, shift: tuple[int, int, int], rope: RopeLayout) -> torch.Tensor:
+    """`keys` turned by `shift` written into `out` (copied when nothing moves)."""
+    if any(shift):
+        return rotate_into(out, keys, *rotation(shift, rope))
+    return out.copy_(keys)
 
 
 def block_keys(token_ids: torch.Tensor, chunk_keys: list[str | None], salt: str,
@@ -72,7 +144,7 @@ class PrefixCache:
         self.query_tokens = 0
         self.hit_tokens = 0
 
-    def lookup(self, keys: list[str], prompt_len: int) -> list[PrefixBlock]:
+    def lookup(self, keys: list[str], prompt_len: int) -> list[PrefixBlock | ChunkRefBlock]:
         """The longest run of cached blocks from the start, within the len-1 cap."""
         usable = (prompt_len - 1) // self.block
         found = []
@@ -85,30 +157,56 @@ class PrefixCache:
         self.hit_tokens += len(found) * self.block
         return found
 
-    def load(self, blocks: list[PrefixBlock], cache: DynamicCache, device) -> None:
-        """Append the blocks' KV to an empty `cache`."""
-        if not blocks:
-            return
-        for layer in range(len(blocks[0].keys)):
-            k = torch.cat([b.keys[layer] for b in blocks], dim=-2)
-            v = torch.cat([b.values[layer] for b in blocks], dim=-2)
-            cache.update(k[None].to(device), v[None].to(device), layer)
+    def load(self, blocks: list[PrefixBlock | ChunkRefBlock], layers: list) -> None:
+        """Write the blocks' KV into the first slots of prompt-length cache layers (each with
+        `keys` / `values` [1, kv_heads, L, head_dim]): copies straight in, and each run of
+        references to one chunk rotated straight in by one pass per layer."""
+        for at, stop, run in self._runs(blocks):
+            for i, layer in enumerate(layers):
+                k, v = layer.keys[0, :, at:stop], layer.values[0, :, at:stop]
+                if isinstance(run, ChunkRefBlock):
+                    sl = slice(run.offset, run.offset + stop - at)
+                    _turned(k, run.chunk.keys[i][:, sl].to(k.device), run.shift, run.rope)
+                    v.copy_(run.chunk.values[i][:, sl])
+                else:
+                    k.copy_(run.keys[i])
+                    v.copy_(run.values[i])
 
-    def insert(self, keys: list[str], cache: DynamicCache, positions: torch.Tensor, have: int,
-               upto_tokens: int) -> int:
-        """Store blocks `have`.. of the prompt whose tokens end at or before `upto_tokens`.
-        Returns how many blocks were stored."""
+    def _runs(self, blocks: list) -> Iterator[tuple[int, int, PrefixBlock | ChunkRefBlock]]:
+        """(start, stop, block): each copied block alone; consecutive references to the same
+        chunk with the same shift and contiguous offsets merged under their first block."""
+        i = 0
+        while i < len(blocks):
+            first, j = blocks[i], i + 1
+            if isinstance(first, ChunkRefBlock):
+                while (j < len(blocks) and isinstance(nxt := blocks[j], ChunkRefBlock) and nxt.chunk is first.chunk
+                       and nxt.shift == first.shift and nxt.offset == first.offset + (j - i) * self.block):
+                    j += 1
+            yield i * self.block, j * self.block, first
+            i = j
+
+    def insert(self, keys: list[str], cache, positions: torch.Tensor, have: int, upto_tokens: int,
+               spans: list[ChunkSpan] = (), rope: RopeLayout | None = None) -> int:
+        """Store blocks `have`.. of the prompt whose tokens end at or before `upto_tokens`: a block
+        lying inside one of `spans` as a reference to its chunk, any other as a copy of `cache`'s
+        KV. Returns how many blocks were stored."""
         stored = 0
         for i in range(have, min(len(keys), upto_tokens // self.block)):
             if keys[i] in self.store:
                 continue
-            sl = slice(i * self.block, (i + 1) * self.block)
-            blk = PrefixBlock(
-                key=keys[i], parent=keys[i - 1] if i else None, positions=positions[:, sl].clone(),
-                keys=tuple(layer.keys[0, :, sl].detach().clone() for layer in cache.layers),
-                values=tuple(layer.values[0, :, sl].detach().clone() for layer in cache.layers),
-                sources=getattr(keys[i], "sources", frozenset()),
-            )
+            a, b = i * self.block, (i + 1) * self.block
+            parent, sources = keys[i - 1] if i else None, getattr(keys[i], "sources", frozenset())
+            span = next((s for s in spans if s.start <= a and b <= s.stop), None)
+            if span is not None and rope is not None:
+                blk = ChunkRefBlock(keys[i], parent, span.chunk, span.offset + a - span.start, self.block, span.shift,
+                                    rope, sources)
+            else:
+                blk = PrefixBlock(
+                    key=keys[i], parent=parent, positions=positions[:, a:b].clone(),
+                    keys=tuple(layer.keys[0, :, a:b].detach().clone() for layer in cache.layers),
+                    values=tuple(layer.values[0, :, a:b].detach().clone() for layer in cache.layers),
+                    sources=sources,
+                )
             if not self.store.put(blk):
                 break
             stored += 1

@@ -16,6 +16,7 @@ class Item:
     parent: str | None = None
     size: int = 1
     sources: frozenset[str] = field(default_factory=frozenset)
+    referenced: tuple = ()  # entries whose tensors this one reads instead of copying
 
     @property
     def nbytes(self) -> int:
@@ -79,6 +80,34 @@ def test_purge_removes_what_is_derived_and_its_descendants():
     assert set(store._leaves) == {"c2", "d"}
 
 
+def test_a_reference_costs_its_own_bytes_and_never_outlives_what_it_reads():
+    store = KVStore(100)
+    chunk = Item("img", size=60)
+    assert not store.put(Item("r0", "prefix", size=1, referenced=(chunk,)))  # not stored: nothing to read
+    store.put(chunk)
+    assert not store.put(Item("r0", "prefix", size=1, referenced=(Item("img", size=60),)))  # another object
+    store.put(Item("b1", "prefix", size=10))
+    store.put(Item("r2", "prefix", parent="b1", size=1, referenced=(chunk,), sources=frozenset({"img"})))
+    store.put(Item("b3", "prefix", parent="r2", size=10))
+    assert store.nbytes == 60 + 10 + 1 + 10  # the chunk's bytes counted once
+    store.check_integrity()
+    store.put(Item("x", size=25))  # the chunk is the LRU leaf: it goes, with r2 and the block after it
+    assert _keys(store) == {"b1", "x"} and store.evictions == 3 and store.nbytes == 35
+    store.check_integrity()
+
+
+def test_storing_a_reference_never_evicts_what_it_reads_and_replacing_it_drops_the_reference():
+    store = KVStore(62)
+    chunk = Item("img", size=60)
+    store.put(chunk)
+    store.put(Item("y", size=1))
+    assert store.put(Item("r1", "prefix", size=2, referenced=(chunk,)))  # img is the LRU leaf, y goes instead
+    assert _keys(store) == {"img", "r1"}
+    store.put(Item("img", size=50))  # the same key, a new object: the old one's readers go
+    assert _keys(store) == {"img"} and store.nbytes == 50
+    store.check_integrity()
+
+
 def test_random_operations_keep_the_invariants():
     rng = random.Random(0)
     store = KVStore(40)
@@ -91,7 +120,9 @@ def test_random_operations_keep_the_invariants():
             present = [k for k, e in store._entries.items() if e.kind == "prefix"]
             parent = rng.choice(present) if present and rng.random() < 0.8 else None
             src = frozenset(rng.sample(chunks, rng.randint(0, 2)))
-            store.put(Item(f"b{step}", "prefix", parent=parent, size=rng.randint(1, 4), sources=src))
+            stored = [store._entries[c] for c in src if c in store._entries]
+            refs = tuple(stored[:1]) if rng.random() < 0.5 else ()
+            store.put(Item(f"b{step}", "prefix", parent=parent, size=rng.randint(1, 4), sources=src, referenced=refs))
         elif op < 0.85:
             keys = list(store._entries)
             if keys:

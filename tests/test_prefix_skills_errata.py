@@ -10,7 +10,7 @@ import torch
 from mmkv import Engine, UnknownSkillError
 from mmkv.messages import erratum_line
 from mmkv.oracle import block_masked_logits
-from mmkv.prefix_cache import BLOCK_TOKENS
+from mmkv.prefix_cache import BLOCK_TOKENS, block_keys
 from mmkv.splice import prefill_spliced
 
 from conftest import INIT, _rope, make_png
@@ -257,3 +257,98 @@ def test_selective_with_every_token_equals_recompute_and_zero_equals_in_place(en
     assert (everything - exact).abs().max().item() <= TOL
     assert torch.equal(zero, in_place)
     assert (in_place - exact).abs().max().item() > 10 * TOL  # stale notes: in_place is not exact
+
+
+# ---- prefix blocks inside a spliced chunk reference it ----------------------------------------------
+def _ref_blocks(engine, chunk_key: str) -> list:
+    from mmkv.prefix_cache import ChunkRefBlock
+
+    return [e for e in engine.cache._entries.values() if isinstance(e, ChunkRefBlock) and e.chunk.key == chunk_key]
+
+
+def _skill_chat(skill_id: str, lead: str, turns: int = 0) -> list[dict]:
+    msgs = [{"role": "system", "content": [{"type": "text", "text": lead + "\n"}, {"type": "skill", "skill_id": skill_id}]},
+            {"role": "user", "content": "is a refund allowed ?"}]
+    for t in range(turns):
+        msgs += [{"role": "assistant", "content": "no"}, {"role": "user", "content": f"and now {t} ?"}]
+    return msgs
+
+
+def _oracle_gap(engine, msgs, tenant: str, result) -> float:
+    plan = engine.splice_plan(msgs, tenant=tenant)
+    want = block_masked_logits(engine.adapter, plan.input_ids, plan.positions, plan.placements, 1, engine.anchor_ids)
+    return (result.first_logits - want[0]).abs().max().item()
+
+
+def test_blocks_inside_a_spliced_skill_reference_it_and_are_exact(engine):
+    from mmkv.prefix_cache import REF_BYTES
+
+    tenant = "refs"
+    sid = engine.add_skill("long policy", POLICY * 4, tenant=tenant)
+    before = engine.cache.nbytes
+    turn1 = _skill_chat(sid, "user 1 prefers short answers .")
+    first = engine.generate(turn1, max_new_tokens=1, tenant=tenant)
+    plan = engine.splice_plan(turn1, tenant=tenant)
+    p = plan.placements[0]
+    n, chunk = plan.input_ids.numel(), p.entry
+    inside = [i for i in range(n // BLOCK_TOKENS) if p.start + 1 <= i * BLOCK_TOKENS and (i + 1) * BLOCK_TOKENS <= p.end]
+    refs = _ref_blocks(engine, chunk.key)
+    assert len(inside) >= 5 and sorted(r.offset for r in refs) == [i * BLOCK_TOKENS - p.start for i in inside]
+    kv_per_token = chunk.nbytes // chunk.num_tokens
+    copies = n // BLOCK_TOKENS - len(inside)
+    # the chunk's KV is counted once: references cost their metadata only
+    assert engine.cache.nbytes - before == copies * BLOCK_TOKENS * kv_per_token + len(inside) * REF_BYTES
+    assert _oracle_gap(engine, turn1, tenant, first) <= TOL
+    turn2 = _skill_chat(sid, "user 1 prefers short answers .", turns=1)
+    second = engine.generate(turn2, max_new_tokens=1, tenant=tenant)
+    assert second.prefix_tokens_reused == (n // BLOCK_TOKENS) * BLOCK_TOKENS > p.end  # the hit runs through the refs
+    gap = _oracle_gap(engine, turn2, tenant, second)
+    print(f"turn hitting {len(inside)} referenced blocks: vs oracle max |diff| {gap:.2e}")
+    assert gap <= TOL
+    spliced = prefill_spliced(engine.adapter, plan.input_ids, plan.positions, plan.placements, 1).cache
+    for r in refs:  # a reference reads back the KV the splice placed at its tokens
+        a = p.start + r.offset
+        assert r.positions.equal(plan.positions[:, a:a + BLOCK_TOKENS])
+        for layer, k, v in zip(spliced.layers, r.keys, r.values):
+            torch.testing.assert_close(k, layer.keys[0, :, a:a + BLOCK_TOKENS], atol=1e-6, rtol=0)
+            assert v.equal(layer.values[0, :, a:a + BLOCK_TOKENS])
+    engine.check_integrity()
+
+    # the chunk moved: other text before it, so other shifts; the new blocks reference the same chunk
+    lead = "user 2 has a much longer preference note : short answers , no lists , plain words ."
+    third = engine.generate(_skill_chat(sid, lead), max_new_tokens=1, tenant=tenant)
+    assert len({r.shift for r in _ref_blocks(engine, chunk.key)}) == 2
+    fourth = engine.generate(_skill_chat(sid, lead, turns=1), max_new_tokens=1, tenant=tenant)
+    assert fourth.prefix_tokens_reused > engine.splice_plan(_skill_chat(sid, lead), tenant=tenant).placements[0].end
+    for msgs, r in ((_skill_chat(sid, lead), third), (_skill_chat(sid, lead, turns=1), fourth)):
+        assert _oracle_gap(engine, msgs, tenant, r) <= TOL
+    engine.check_integrity()
+
+    # the chunk purged: every referencing block goes, and lookups stop before the chunk
+    plan4 = engine.splice_plan(_skill_chat(sid, lead, turns=1), tenant=tenant)
+    keys4 = block_keys(plan4.input_ids, plan4.chunk_keys, engine._salt(tenant, 1, "native"))
+    assert len(engine.prefix.lookup(keys4, plan4.input_ids.numel())) * BLOCK_TOKENS > plan4.placements[0].end
+    engine.remove_skill(sid, tenant=tenant)
+    assert _ref_blocks(engine, chunk.key) == [] and chunk.key not in engine.cache
+    assert len(engine.prefix.lookup(keys4, plan4.input_ids.numel())) == plan4.placements[0].start // BLOCK_TOKENS
+    engine.check_integrity()
+
+
+def test_evicting_a_chunk_takes_its_referencing_blocks(tiny_dirs, engine):
+    probe = engine.splice_plan(_skill_chat(engine.add_skill("p", POLICY * 4, tenant="size"), "x"), tenant="size")
+    budget = int(1.6 * probe.placements[0].entry.nbytes)
+    eng = Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], dtype=torch.float32, device="cpu", cache_bytes=budget)
+    sid = eng.add_skill("long policy", POLICY * 4)
+    key = eng.splice_plan(_skill_chat(sid, "lead")).placements[0].entry.key
+    eng.generate(_skill_chat(sid, "lead"), max_new_tokens=1)
+    refs, blocks = len(_ref_blocks(eng, key)), eng.stats()["prefix_blocks"]
+    assert refs and eng.stats()["evictions"] == 0
+    eng.add_skill("other", POLICY[::-1] * 4)  # needs room: the first skill is the least recently used leaf
+    st = eng.stats()
+    assert key not in eng.cache and _ref_blocks(eng, key) == []
+    # the chunk, its references and the blocks after them went, each counted as an eviction
+    assert st["evictions"] == 1 + blocks - st["prefix_blocks"] and st["prefix_blocks"] <= blocks - refs
+    eng.check_integrity()
+    again = eng.generate(_skill_chat(sid, "lead", turns=1), max_new_tokens=1)  # precompiled again, exact
+    assert again.skill_tokens_reused == 0 and _oracle_gap(eng, _skill_chat(sid, "lead", turns=1), "", again) <= TOL
+    eng.check_integrity()
