@@ -133,6 +133,16 @@ def serve(
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (chat completions, files, models)."""
     from mmkv.engine import Engine
+    mooncake_master: Annotated[str | None, typer.Option(envvar="MMKV_MOONCAKE_MASTER", help=(
+        "Shared tier on Mooncake Store instead of Redis: the mooncake_master's HOST:PORT (needs "
+        "pip install 'mmkv[mooncake]' and libibverbs1). Default: none."))] = None,
+    mooncake_metadata: Annotated[str | None, typer.Option(envvar="MMKV_MOONCAKE_METADATA", help=(
+        "Mooncake's metadata server URL. Default: http://<master host>:8080/metadata (the master's "
+        "own, with --enable_http_metadata_server=true)."))] = None,
+    mooncake_segment_mb: Annotated[int, typer.Option(envvar="MMKV_MOONCAKE_SEGMENT_MB", min=1, help=(
+        "RAM this server lends to the Mooncake pool."))] = 1024,
+    mooncake_buffer_mb: Annotated[int, typer.Option(envvar="MMKV_MOONCAKE_BUFFER_MB", min=1, help=(
+        "Mooncake transfer buffer: the largest chunk shared."))] = 256,
     from mmkv.errors import MMKVError, ModelLoadError
     from mmkv.server.app import ServerSettings, create_app
     from mmkv.server.serve import ConnectionLimits, serve
@@ -147,7 +157,10 @@ def serve(
                                         rope_policy=rope_policy, cache_bytes=int(cache_gb * (1 << 30)),
                                         min_pixels=min_pixels, max_pixels=max_pixels,
                                         store_dir=None if store_dir == "none" else store_dir,
-                                        store_bytes=int(store_gb * (1 << 30)), redis_url=redis_url)
+                                        store_bytes=int(store_gb * (1 << 30)), redis_url=redis_url,
+                                        mooncake_master=mooncake_master, mooncake_metadata=mooncake_metadata,
+                                        store_options={"mooncake_segment_bytes": mooncake_segment_mb << 20,
+                                                       "mooncake_buffer_bytes": mooncake_buffer_mb << 20})
         settings = ServerSettings(
             api_keys=tuple(api_key or ()), max_queue=max_queue, max_batch=max_batch, max_body_bytes=int(max_body_mb * (1 << 20)),
             file_store_bytes=int(file_store_gb * (1 << 30)), max_images_per_request=max_images_per_request,
@@ -170,11 +183,14 @@ def serve(
         tiers = engine.tiers
         log.info(f"tiers: disk {tiers.root or 'off'}, shared {tiers.shared.url if tiers.shared else 'off'}",
                  extra={"store_dir": str(tiers.root) if tiers.root else None,
-                        "redis": tiers.shared.url if tiers.shared else None})
+                        "shared": tiers.shared.url if tiers.shared else None})
     if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(f"listening on {host} with no --api-key: anyone who can reach it can use it")
     log.info(f"OpenAI base URL: http://{host}:{port}/v1")
-    serve(create_app(engine, settings), host, port, limits, log_config=config, log_level=log_level.lower())
+    try:
+        serve(create_app(engine, settings), host, port, limits, log_config=config, log_level=log_level.lower())
+    finally:
+        engine.close()  # queued tier writes land, the store directory is released
 
 
 from mmkv.vqa_eval.cli import eval_command  # noqa: E402  (its heavy imports happen inside)

@@ -6,11 +6,13 @@ final name and the directory fsync'd, so a kill -9 at any moment leaves either t
 the whole new file; temporaries left by a crash are removed when the tier opens. Content is still
 checked on every load (a disk can lie): see chunk_codec.decode_chunk.
 
-Thread-safe (one lock). One server per store directory: servers share through the shared tier.
+Thread-safe (one lock). One server per store directory (`lock_store_dir`): servers share through
+the shared tier.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
@@ -21,6 +23,33 @@ from pathlib import Path
 log = logging.getLogger("mmkv.disk_tier")
 TMP_SUFFIX = ".tmp"
 KV_SUFFIX = ".safetensors"
+LOCK_FILE = "LOCK"
+
+
+class StoreInUseError(ValueError):
+    """Another process holds the store directory."""
+
+
+def lock_store_dir(root: Path) -> int:
+    """Hold `root` for this process: an exclusive advisory lock (flock) on root/LOCK, which names
+    the holder's pid. Returns the lock's file descriptor (closing it releases the lock; the kernel
+    releases it when the process ends, kill -9 included). StoreInUseError when another process, or
+    another open store in this one, holds it: two servers on one directory would undo each
+    other's LRU index and evictions."""
+    path = Path(root) / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        who = ("another open engine in this process (close it first: Engine.close())" if holder == str(os.getpid())
+               else f"another mmkv process (pid {holder})")
+        raise StoreInUseError(f"the store directory {root} is in use by {who}; give each server its own "
+                              f"--store-dir (servers share through --redis-url or --mooncake-master)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def fsync_dir(path: Path) -> None:

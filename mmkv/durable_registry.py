@@ -1,6 +1,6 @@
 """Records that outlive the process: uploaded images (the engine's `image` record and the server's
 `file` record) and skills, per tenant, with their content-addressed blobs, on disk and / or in
-the shared tier.
+the shared tier (Redis or Mooncake Store: mmkv/shared_tier.py has its key layout).
 
 Disk layout under the store root: `records/<kind>/<sha256(tenant)[:32]>/<id>.json` (the record
 with a SHA-256 of itself) and `blobs/<sha256[:2]>/<sha256>` (an upload's original bytes, kept
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from mmkv.disk_tier import atomic_write, fsync_dir, remove_temporaries
 from mmkv.fingerprint import content_digest
-from mmkv.redis_tier import RedisTier
+from mmkv.shared_tier import SharedTier
 
 log = logging.getLogger("mmkv.durable_registry")
 KINDS = ("image", "file", "skill")
@@ -58,7 +58,7 @@ def _unseal(data: bytes) -> dict | None:
 
 
 class DurableRegistry:
-    def __init__(self, root: Path | None, shared: RedisTier | None):
+    def __init__(self, root: Path | None, shared: SharedTier | None):
         self.root, self.shared = (Path(root) if root is not None else None), shared
         self._lock = threading.Lock()
         self.corrupt = 0
@@ -117,17 +117,7 @@ class DurableRegistry:
                 if digest is not None:
                     self._refs.setdefault(digest, set()).add((kind, tenant, id_))
         if self.shared is not None:
-            s = self.shared
-
-            def write(c):
-                pipe = c.pipeline()
-                if digest is not None:
-                    pipe.set(s.key("blob", digest), blob)
-                    pipe.sadd(s.key("blobref", digest), f"{kind}:{tenant}:{id_}")
-                pipe.hset(s.key("rec", kind, tenant), id_, _seal(body))
-                pipe.delete(s.key("gone", kind, tenant, id_))
-                pipe.execute()
-            s.call("record write", write)
+            self.shared.record_put(kind, tenant, id_, _seal(body), digest, blob)
 
     def get(self, kind: str, tenant: str, id_: str) -> Record | None:
         """The record with its blob: from disk, else from the shared tier (then kept on disk)."""
@@ -171,17 +161,17 @@ class DurableRegistry:
         s = self.shared
         if s is None:
             return None
-        raw = s.call("record read", lambda c: c.hget(s.key("rec", kind, tenant), id_))
+        raw = s.record_get(kind, tenant, id_)
         if raw is None:
             return None
         body = _unseal(raw)
         if body is None or body.get("id") != id_ or body.get("tenant") != tenant:
-            s.call("record drop", lambda c: c.hdel(s.key("rec", kind, tenant), id_))
+            s.record_drop(kind, tenant, id_)
             self.corrupt += 1
             return None
         blob = None
         if body["blob"]:
-            blob = s.call("blob read", lambda c: c.get(s.key("blob", body["blob"])))
+            blob = s.blob_get(body["blob"])
             if blob is None or content_digest(blob) != body["blob"]:
                 if blob is not None:
                     self.corrupt += 1
@@ -205,25 +195,12 @@ class DurableRegistry:
                         del self._refs[digest]
                         self._blob_path(digest).unlink(missing_ok=True)
         if self.shared is not None:
-            s = self.shared
-
-            def drop(c):
-                raw = c.hget(s.key("rec", kind, tenant), id_)
-                c.hdel(s.key("rec", kind, tenant), id_)
-                c.set(s.key("gone", kind, tenant, id_), 1)  # a tombstone: other servers drop their copies
-                body = _unseal(raw) if raw else None
-                if body and body.get("blob"):
-                    ref = s.key("blobref", body["blob"])
-                    c.srem(ref, f"{kind}:{tenant}:{id_}")
-                    if not c.scard(ref):
-                        c.delete(s.key("blob", body["blob"]), ref)
-            s.call("record delete", drop)
+            self.shared.record_remove(kind, tenant, id_, lambda raw: (_unseal(raw) or {}).get("blob"))
 
     def gone(self, kind: str, tenant: str, id_: str) -> bool:
         """True when the shared tier says this record was deleted, on any server (False without it,
         or while it does not answer: a server that cannot ask keeps serving what it has)."""
-        s = self.shared
-        return s is not None and bool(s.call("tombstone read", lambda c: c.exists(s.key("gone", kind, tenant, id_)), 0))
+        return self.shared is not None and self.shared.gone(kind, tenant, id_)
 
     def local(self, kind: str) -> list[Record]:
         """Every record of `kind` on disk, with its blob: what a restarted server serves again."""
@@ -243,8 +220,4 @@ class DurableRegistry:
 
     def shared_ids(self, kind: str, tenant: str) -> list[str]:
         """Ids of `kind` the shared tier holds for `tenant` (records only; [] without it or when down)."""
-        s = self.shared
-        if s is None:
-            return []
-        ids = s.call("record list", lambda c: c.hkeys(s.key("rec", kind, tenant)), []) or []
-        return [i.decode() for i in ids]
+        return self.shared.record_ids(kind, tenant) if self.shared is not None else []

@@ -52,7 +52,7 @@ from mmkv.sampling import SamplingParams, TokenLogprob, TokenTexts
 from mmkv.tools import ContentFilter, ToolCall, ToolSpec, check_tools, template_supports_tools
 from mmkv.place import EditReport, KVPlacer
 from mmkv.splice import Placement, PrefillResult, precompile_chunk, precompile_image, prefill_full
-from mmkv.tiers import StoreConfig, Tiers
+from mmkv.tiers import StoreConfig, Tiers, digest_cache_path
 
 log = logging.getLogger("mmkv.engine")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -290,7 +290,8 @@ class Engine:
         self._image_store_bytes = 0  # sources of every registered image
         self._fresh: set[str] = set()  # chunk keys precompiled since the current request began
         self._counters = _Counters()
-        self.fingerprint = model_fingerprint(adapter)  # SHA-256: config, dtype, weights, tokenizer, template, processor
+        # SHA-256: config, dtype, weights (file digests cached in the store), tokenizer, template, processor
+        self.fingerprint = model_fingerprint(adapter, digest_cache=digest_cache_path(store))
         ip = adapter.processor.image_processor
         self.grid_settings = f"{ip.size}|patch={ip.patch_size}|merge={ip.merge_size}"
         self.anchor_ids = self._anchor_ids() if self.settings.anchor == "system" else torch.empty(0, dtype=torch.long)
@@ -315,7 +316,9 @@ class Engine:
         """Load a local checkpoint dir or a hub id in the local hub cache (None = the bundled sample
         model) and wrap it. `dtype`: float32 / bfloat16 / float16; `device`: cpu / cuda / cuda:N.
         `store_dir` (a directory, or "auto": ~/.cache/mmkv/<fingerprint>) adds the disk tier with
-        `store_bytes` of chunk KV, `redis_url` the shared tier (mmkv/tiers.py); neither: RAM only."""
+        `store_bytes` of chunk KV, `redis_url` the shared tier (mmkv/tiers.py), or `mooncake_master`
+        (HOST:PORT, with `mooncake_metadata`) on Mooncake Store instead; none: RAM only. `store_options`:
+        more StoreConfig fields (timeouts, Mooncake segment and buffer, the write queue's bound)."""
         if model_dir is None:
             if not BUNDLED_MODEL.is_dir():
                 raise ModelLoadError(f"no model directory given and the bundled model {BUNDLED_MODEL} is missing; "
@@ -330,9 +333,12 @@ class Engine:
             size["longest_edge"] = max_pixels if max_pixels is not None else size["longest_edge"]
             ip.size = size
         cfg = EngineSettings(seam_tokens=seam_tokens, rope_policy=rope_policy, cache_bytes=cache_bytes, **settings)
-        store = StoreConfig(Path(store_dir) if store_dir is not None else None, store_bytes, redis_url)
+        store = StoreConfig(Path(store_dir) if store_dir is not None else None, store_bytes, redis_url,
+                            mooncake_master=mooncake_master, mooncake_metadata=mooncake_metadata, **(store_options or {}))
         return cls(adapter, cfg, model_id=resolved.model_id, store=store)
 
+                        mooncake_master: str | None = None, mooncake_metadata: str | None = None,
+                        store_options: dict | None = None,
     # ---- setup ---------------------------------------------------------------------------------
     def _render(self, template_messages: list[dict], add_generation_prompt: bool = True,
                 tools: ToolSpec | None = None) -> str:
@@ -953,3 +959,9 @@ class Engine:
             kept = sum(reg.source_nbytes for reg in self._images.values())
             assert kept == self._image_store_bytes, f"image store tracks {self._image_store_bytes}, holds {kept}"
             assert all(reg.pixel_values is None for reg in self._images.values()), "pixel_values kept after encoding"
+
+    def close(self) -> None:
+        """Write the chunks still queued for the lower tiers and release the store directory and the
+        shared client (also done at interpreter exit): the last call on an engine."""
+        if self.tiers is not None:
+            self.tiers.close()

@@ -7,15 +7,26 @@ would hand one user's KV to another. The fingerprint covers everything that chan
 KV or the tokens it stands for: config and dtype, the weights (the safetensors index and every
 weight file's content, hashed once at load, streaming), the tokenizer, the chat template and
 the processor's configuration.
+
+Hashing the weights reads every weight file (GBs for a real checkpoint), so a file's digest is
+cached in the store (`weight_digests.json`) under its path, size, mtime_ns, ctime_ns and inode:
+a restart with unchanged files reads none of them, and a file written or replaced since (any of
+those changes; ctime cannot be set back by a tool the way mtime can) is hashed again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
+import os
 from pathlib import Path
 
 import torch
 
+from mmkv.disk_tier import atomic_write
+
+log = logging.getLogger("mmkv.fingerprint")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _READ = 1 << 20
@@ -30,12 +41,54 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _weights_from_files(model_dir: Path) -> list[tuple[str, str]] | None:
+def _file_identity(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+class DigestCache:
+    """Weight-file digests by resolved path and identity (size, mtime_ns, ctime_ns, inode), in one
+    JSON file. `path=None`: no cache (every file is read). An unreadable cache is just empty."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.entries: dict[str, dict] = {}
+        self.changed = False
+        if path is not None and path.is_file():
+            try:
+                loaded = json.loads(path.read_bytes())
+                self.entries = loaded if isinstance(loaded, dict) else {}
+            except (OSError, ValueError):
+                log.warning("ignoring an unreadable weight digest cache %s", path)
+
+    def digest(self, file: Path) -> str:
+        name = str(file.resolve())
+        identity = _file_identity(file.stat())
+        entry = self.entries.get(name)
+        if isinstance(entry, dict) and entry.get("id") == identity and isinstance(entry.get("sha256"), str):
+            return entry["sha256"]
+        digest = file_digest(file)
+        if _file_identity(file.stat()) == identity:  # not written while it was read
+            self.entries[name] = {"id": identity, "sha256": digest}
+            self.changed = True
+        return digest
+
+    def save(self) -> None:
+        if self.path is None or not self.changed:
+            return
+        try:
+            atomic_write(self.path, json.dumps(self.entries, sort_keys=True).encode())
+        except OSError as exc:
+            log.warning("cannot save the weight digest cache %s: %s", self.path, exc.strerror)
+
+
+def _weights_from_files(model_dir: Path, cache: DigestCache) -> list[tuple[str, str]] | None:
     files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
     if not files:
         return None
     indexes = [model_dir / n for n in WEIGHT_INDEXES if (model_dir / n).is_file()]
-    return [(p.name, file_digest(p)) for p in (*indexes, *files)]
+    out = [(p.name, cache.digest(p)) for p in (*indexes, *files)]
+    cache.save()
+    return out
 
 
 def _weights_in_memory(model: torch.nn.Module) -> list[tuple[str, str]]:
@@ -48,15 +101,16 @@ def _weights_in_memory(model: torch.nn.Module) -> list[tuple[str, str]]:
     return out
 
 
-def model_fingerprint(adapter, model_dir: str | Path | None = None) -> str:
+def model_fingerprint(adapter, model_dir: str | Path | None = None, digest_cache: Path | None = None) -> str:
     """SHA-256 over config and dtype, weights, tokenizer, chat template and processor config.
     Weights come from `model_dir` (default: the directory the checkpoint was loaded from) when it
     holds weight files, else from the model's tensors in memory. Tokenizer, template and
-    processor come from the live objects, so settings changed after loading count too."""
+    processor come from the live objects, so settings changed after loading count too. Weight
+    file digests are kept in `digest_cache` (a JSON file; None: every file is read)."""
     h = hashlib.sha256(b"mmkv-fingerprint-v1\x1f")
     h.update(adapter.fingerprint_source().encode())
     where = Path(model_dir or adapter.config.name_or_path or "")
-    weights = _weights_from_files(where) if str(where) and where.is_dir() else None
+    weights = _weights_from_files(where, DigestCache(digest_cache)) if str(where) and where.is_dir() else None
     for name, digest in weights or _weights_in_memory(adapter.model):
         h.update(f"\x1fw:{name}={digest}".encode())
     processor, tokenizer = adapter.processor, adapter.tokenizer

@@ -1,23 +1,30 @@
-"""The tiers under the RAM KV store: RAM -> disk -> shared (Redis). One interface for the engine.
+"""The tiers under the RAM KV store: RAM -> disk -> shared (Redis, or Mooncake Store). One interface
+for the engine.
 
 `load` is asked only after a RAM miss: the disk tier first, then the shared tier (a shared hit is
-also written to disk). `store` writes a freshly precompiled chunk through to every tier. `purge`
-removes a chunk from every tier. Every stored entry is checked on load (chunk_codec): a bad one
+also written to disk). `store` queues a freshly precompiled chunk for the background writer
+(mmkv/tier_writer.py), which writes it through to every tier off the request path; `flush` waits
+for it. `purge` removes a chunk from every tier (a queued write of it is taken back first). Every stored entry is checked on load (chunk_codec): a bad one
 is deleted from its tier, counted as corrupt and treated as a miss, so the caller recomputes it
 from the stored image bytes or skill text; it is never spliced. A tier that fails (disk error,
 Redis down) is a miss too: a request never fails because a lower tier did.
 
-`store_dir=None` and no `redis_url` means no tiers at all (the engine's RAM-only behaviour).
-Thread-safe: the disk tier, the registry and redis-py are; the counters take a lock.
+`store_dir=None` and no shared store means no tiers at all (the engine's RAM-only behaviour). A
+store directory is held by one process at a time (disk_tier.lock_store_dir); `close` flushes the
+writer and lets it go (also run when the Tiers is collected and at interpreter exit).
+Thread-safe: the disk tier, the registry, the writer and the shared clients are; the counters
+take a lock.
 """
 
 from __future__ import annotations
 
 import logging
+import functools
 import os
 import secrets
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,20 +32,35 @@ import torch
 
 from mmkv.chunk_codec import CorruptEntryError, decode_chunk, encode_chunk
 from mmkv.chunks import CachedChunk
-from mmkv.disk_tier import DiskTier, atomic_write
+from mmkv.disk_tier import DiskTier, atomic_write, lock_store_dir
 from mmkv.durable_registry import DurableRegistry
+from mmkv.mooncake_tier import MooncakeTier
 from mmkv.redis_tier import RedisTier
+from mmkv.shared_tier import SharedTier
+from mmkv.tier_writer import TierWriter
 
 log = logging.getLogger("mmkv.tiers")
-TIERS = ("disk", "redis")
 MODEL_FILE = "MODEL"  # the fingerprint a store directory belongs to
+DIGEST_FILE = "weight_digests.json"  # mmkv/fingerprint.py's cache of weight-file digests
 AUTO = "auto"  # store_dir: default_store_dir(fingerprint)
+
+
+def _cache_base() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mmkv"
 
 
 def default_store_dir(fingerprint: str) -> Path:
     """$XDG_CACHE_HOME/mmkv/<fingerprint[:16]> (default ~/.cache/mmkv/...)."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "mmkv" / fingerprint[:16]
+    return _cache_base() / fingerprint[:16]
+
+
+def digest_cache_path(config: StoreConfig | None) -> Path | None:
+    """Where the weight digests are cached, known before the fingerprint is: the store directory,
+    or for "auto" (a directory per fingerprint) the cache base above them; None without a disk tier."""
+    if config is None or config.store_dir is None:
+        return None
+    root = _cache_base() if str(config.store_dir) == AUTO else Path(config.store_dir).expanduser()
+    return root / DIGEST_FILE
 
 
 @dataclass(frozen=True)
@@ -46,16 +68,34 @@ class StoreConfig:
     store_dir: Path | str | None = None  # None: no disk tier; "auto": default_store_dir(fingerprint)
     store_bytes: int = 20 << 30  # chunk KV on disk (uploads and skills are not evicted)
     redis_url: str | None = None  # redis://[user:pass@]host:port/db or rediss://...; None: no shared tier
-    redis_timeout_s: float = 0.5
-    redis_retry_s: float = 1.0
+    redis_timeout_s: float = 0.5  # also the Mooncake master's connect probe
+    redis_retry_s: float = 1.0  # a degraded shared tier (either store) is tried again after this
+    mooncake_master: str | None = None  # HOST:PORT: the shared tier on Mooncake Store instead of Redis
+    mooncake_metadata: str | None = None  # default http://<master host>:8080/metadata
+    mooncake_segment_bytes: int = 1 << 30  # RAM this server lends to the Mooncake pool
+    mooncake_buffer_bytes: int = 256 << 20  # the transfer buffer: the largest value shared
+    write_queue_bytes: int = 1 << 30  # chunk KV waiting for the background writer; beyond, writes drop
 
     def __post_init__(self):
-        if self.store_bytes < 0:
-            raise ValueError("store_bytes must be >= 0")
+        if self.store_bytes < 0 or self.write_queue_bytes < 0:
+            raise ValueError("store_bytes and write_queue_bytes must be >= 0")
+        if self.redis_url is not None and self.mooncake_master is not None:
+            raise ValueError("--redis-url and --mooncake-master both ask for the shared tier; pick one "
+                             "(one shared store per server: Redis, the default, or Mooncake Store)")
+        if self.mooncake_metadata is not None and self.mooncake_master is None:
+            raise ValueError("--mooncake-metadata needs --mooncake-master")
 
     @property
     def enabled(self) -> bool:
-        return self.store_dir is not None or self.redis_url is not None
+        return self.store_dir is not None or self.redis_url is not None or self.mooncake_master is not None
+
+    def shared_tier(self, namespace: str) -> SharedTier | None:
+        if self.redis_url is not None:
+            return RedisTier(self.redis_url, namespace, self.redis_timeout_s, self.redis_retry_s)
+        if self.mooncake_master is not None:
+            return MooncakeTier(self.mooncake_master, self.mooncake_metadata, namespace, self.redis_timeout_s,
+                                self.redis_retry_s, self.mooncake_segment_bytes, self.mooncake_buffer_bytes)
+        return None
 
 
 @dataclass
@@ -78,42 +118,69 @@ class Tiers:
     device: torch.device
     root: Path | None  # the store directory (None: no disk tier)
     disk: DiskTier | None
-    shared: RedisTier | None
+    shared: SharedTier | None
     registry: DurableRegistry
-    counters: dict[str, TierCounters] = field(default_factory=lambda: {t: TierCounters() for t in TIERS})
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    lock_fd: int | None = None  # the store directory's lock (disk_tier.lock_store_dir)
+    counts: TierCounts = field(init=False)
+    writer: TierWriter = field(init=False)
+
+    def __post_init__(self):
+        self.counts = TierCounts({t: TierCounters() for t in ("disk", self.shared_name)})
+        # The writer's function holds what it writes to, not this Tiers: collecting it (or the
+        # interpreter's exit) flushes the writer and releases the lock and the client (_finish).
+        self.writer = TierWriter(functools.partial(_write_through, self.disk, self.shared, self.fingerprint, self.counts),
+                                 self.config.write_queue_bytes)
+        self._finalizer = weakref.finalize(self, _finish, self.writer, self.shared, self.lock_fd)
+
+    @property
+    def shared_name(self) -> str:
+        return self.shared.name if self.shared is not None else "redis"
 
     @classmethod
     def open(cls, config: StoreConfig | None, fingerprint: str, layers: int, dtype: torch.dtype,
              device: torch.device) -> Tiers | None:
         """The tiers `config` asks for; None when it asks for none. A store directory made for another
-        model fingerprint is refused (ValueError): one store directory serves one model."""
+        model fingerprint is refused (ValueError): one store directory serves one model; one held by
+        another process (or another open Tiers) is refused too (disk_tier.StoreInUseError)."""
         if config is None or not config.enabled:
             return None
-        disk, root = None, None
-        if config.store_dir is not None:
-            root = default_store_dir(fingerprint) if str(config.store_dir) == AUTO else Path(config.store_dir).expanduser()
-            root.mkdir(parents=True, exist_ok=True)
-            marker = root / MODEL_FILE
-            if marker.exists() and marker.read_text().strip() != fingerprint:
-                raise ValueError(f"the store directory {root} belongs to another model (fingerprint "
-                                 f"{marker.read_text().strip()[:16]}...); give this model its own --store-dir")
-            if not marker.exists():
-                atomic_write(marker, fingerprint.encode())
-            disk = DiskTier(root, config.store_bytes)
-        shared = None
-        if config.redis_url is not None:
-            shared = RedisTier(config.redis_url, fingerprint[:16], config.redis_timeout_s, config.redis_retry_s)
-            if not shared.check():
-                log.warning("redis at %s does not answer; starting degraded, retrying on use", shared.url)
-        return cls(config, fingerprint, layers, dtype, device, root, disk, shared, DurableRegistry(root, shared))
+        disk, root, lock_fd = None, None, None
+        shared = config.shared_tier(fingerprint[:16])  # first: a missing library fails before any disk work
+        try:
+            if config.store_dir is not None:
+                root = default_store_dir(fingerprint) if str(config.store_dir) == AUTO else Path(config.store_dir).expanduser()
+                root.mkdir(parents=True, exist_ok=True)
+                lock_fd = lock_store_dir(root)
+                marker = root / MODEL_FILE
+                if marker.exists() and marker.read_text().strip() != fingerprint:
+                    raise ValueError(f"the store directory {root} belongs to another model (fingerprint "
+                                     f"{marker.read_text().strip()[:16]}...); give this model its own --store-dir")
+                if not marker.exists():
+                    atomic_write(marker, fingerprint.encode())
+                disk = DiskTier(root, config.store_bytes)
+            if shared is not None and not shared.check():
+                log.warning("%s at %s does not answer; starting degraded, retrying on use", shared.name, shared.url)
+            return cls(config, fingerprint, layers, dtype, device, root, disk, shared, DurableRegistry(root, shared),
+                       lock_fd)
+        except BaseException:
+            _finish(None, shared, lock_fd)
+            raise
+
+    def close(self) -> None:
+        """Write what is queued, then release the store directory and the shared client. Idempotent."""
+        self._finalizer()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued chunk write has landed (tests, benchmarks, shutdown)."""
+        return self.writer.flush(timeout_s)
 
     # ---- chunks ----------------------------------------------------------------------------------
+    def _tiers(self) -> list[str]:
+        return _present(self.disk, self.shared)
+
     def load(self, key: str, ram_key: str, kind: str) -> tuple[CachedChunk, str] | None:
         """The chunk stored under durable `key` and the tier it came from, or None (recompute)."""
-        for tier in TIERS:
-            if (self.disk if tier == "disk" else self.shared) is None:
-                continue
+        for tier in self._tiers():
             t0 = time.perf_counter()
             data = self._read(tier, key)
             if data is None:
@@ -127,56 +194,41 @@ class Tiers:
                 self._count(tier, misses=1, corrupt=1)
                 continue
             self._count(tier, hits=1, bytes_read=len(data), load_s=time.perf_counter() - t0)
-            if tier == "redis" and self.disk is not None:
+            if tier != "disk" and self.disk is not None:
                 self._write("disk", key, data)
             return chunk, tier
         return None
 
     def store(self, key: str, chunk: CachedChunk) -> None:
-        """Write a freshly computed chunk through to every tier."""
-        data = encode_chunk(chunk, key, self.fingerprint)
-        for tier in TIERS:
-            self._write(tier, key, data)
+        """Queue a freshly computed chunk for the background writer (never blocks; a full queue
+        drops the write and counts it)."""
+        self.writer.submit(key, chunk)
 
     def purge(self, key: str) -> None:
-        for tier in TIERS:
+        self.writer.cancel(key)  # a queued write must not bring it back after the delete
+        for tier in self._tiers():
             self._delete(tier, key)
 
     def _read(self, tier: str, key: str) -> bytes | None:
-        if tier == "disk":
-            return self.disk.get(key) if self.disk is not None else None
-        s = self.shared
-        return s.call("kv read", lambda c: c.get(s.key("kv", key))) if s is not None else None
+        return self.disk.get(key) if tier == "disk" else self.shared.kv_get(key)
 
     def _write(self, tier: str, key: str, data: bytes) -> None:
-        if tier == "disk" and self.disk is not None:
-            ok = self.disk.put(key, data)
-        elif tier == "redis" and self.shared is not None:
-            s = self.shared
-            ok = s.call("kv write", lambda c: c.set(s.key("kv", key), data), False)
-        else:
-            return
-        if ok:
-            self._count(tier, writes=1, bytes_written=len(data))
+        _write(self.disk, self.shared, self.counts, tier, key, data)
 
     def _delete(self, tier: str, key: str) -> None:
-        if tier == "disk" and self.disk is not None:
+        if tier == "disk":
             self.disk.delete(key)
-        elif tier == "redis" and self.shared is not None:
-            s = self.shared
-            s.call("kv delete", lambda c: c.delete(s.key("kv", key)))
+        else:
+            self.shared.kv_delete(key)
 
     def _count(self, tier: str, **deltas) -> None:
-        with self._lock:
-            c = self.counters[tier]
-            for name, value in deltas.items():
-                setattr(c, name, getattr(c, name) + value)
+        self.counts.add(tier, **deltas)
 
     # ---- state -----------------------------------------------------------------------------------
     def tenant_secret(self) -> bytes:
         """The secret API keys become tenants with, the same after a restart and on every server
-        sharing the Redis. The disk's (made once) is offered to Redis; Redis keeps the first one it
-        was offered, and that one wins, so servers agree. While Redis does not answer, the disk's."""
+        sharing the store. The disk's (made once) is offered to the shared store; it keeps the first
+        one it was offered, and that one wins, so servers agree. While it does not answer, the disk's."""
         path = self.root / "tenant_secret" if self.root is not None else None
         local = path.read_bytes() if path is not None and path.exists() else None
         secret = local or secrets.token_bytes(32)
@@ -191,18 +243,61 @@ class Tiers:
         return secret
 
     def stats(self) -> dict:
-        """Per tier: hits, misses, bytes read and written, load seconds, evictions, corrupt entries."""
-        with self._lock:
-            out = {}
-            for tier, c in self.counters.items():
-                for name, value in vars(c).items():
-                    out[f"{tier}_{name}"] = value
+        """Per tier: hits, misses, bytes read and written, load seconds, evictions, corrupt entries;
+        the background writer's queue; the shared client's calls, errors and state."""
+        out = self.counts.snapshot()
         out["disk_evictions"] = self.disk.evictions if self.disk is not None else 0
         out["disk_bytes"] = self.disk.nbytes if self.disk is not None else 0
         out["disk_entries"] = len(self.disk) if self.disk is not None else 0
         out["registry_corrupt"] = self.registry.corrupt
+        w = self.writer
+        out.update(tier_write_queue_bytes=w.pending_bytes, tier_writes_dropped=w.dropped, tier_writes_failed=w.failed)
         if self.shared is not None:
-            s = self.shared
-            out.update(redis_errors=s.errors, redis_skipped=s.skipped, redis_calls=s.calls, redis_call_s=s.call_s,
-                       redis_up=0 if s.degraded else 1)
+            out.update(self.shared.stats())
         return out
+
+
+@dataclass
+class TierCounts:
+    """The per-tier counters, shared by a Tiers and its writer's thread (one lock)."""
+    by_tier: dict[str, TierCounters]
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, tier: str, **deltas) -> None:
+        with self._lock:
+            c = self.by_tier[tier]
+            for name, value in deltas.items():
+                setattr(c, name, getattr(c, name) + value)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {f"{tier}_{name}": value for tier, c in self.by_tier.items() for name, value in vars(c).items()}
+
+
+def _present(disk: DiskTier | None, shared: SharedTier | None) -> list[str]:
+    return (["disk"] if disk is not None else []) + ([shared.name] if shared is not None else [])
+
+
+def _write(disk: DiskTier | None, shared: SharedTier | None, counts: TierCounts, tier: str, key: str,
+           data: bytes) -> None:
+    ok = disk.put(key, data) if tier == "disk" else shared.kv_put(key, data)
+    if ok:
+        counts.add(tier, writes=1, bytes_written=len(data))
+
+
+def _write_through(disk: DiskTier | None, shared: SharedTier | None, fingerprint: str, counts: TierCounts,
+                   key: str, chunk: CachedChunk) -> None:
+    """The background writer's job: encode once (off the request path), write to every tier."""
+    data = encode_chunk(chunk, key, fingerprint)
+    for tier in _present(disk, shared):
+        _write(disk, shared, counts, tier, key, data)
+
+
+def _finish(writer: TierWriter | None, shared: SharedTier | None, lock_fd: int | None) -> None:
+    """Flush the writer, close the shared client, release the store directory's lock."""
+    if writer is not None:
+        writer.close()
+    if shared is not None:
+        shared.close()
+    if lock_fd is not None:
+        os.close(lock_fd)

@@ -52,6 +52,7 @@ def test_restart_keeps_ids_and_loads_kv_from_disk(tiny_dirs, tmp_path, family):
     image_id = first.add_image(make_png(64, 48), tenant="t1")
     skill_id = first.add_skill("brief", "Answer in one word.", tenant="t1")
     before = first.generate(ask(image_id, skill_id), max_new_tokens=4, tenant="t1")
+    first.close()  # the background writer's queue lands; the store directory is free again
     assert first.stats()["disk_writes"] == 2  # the image and the skill, written through once
 
     second = Engine.from_pretrained(tiny_dirs[family], store_dir=tmp_path)
@@ -75,6 +76,7 @@ def _store_with_image(model_dir, store):
     engine = Engine.from_pretrained(model_dir, store_dir=store)
     image_id = engine.add_image(make_png(64, 48))
     engine.add_image(make_png(48, 64, seed=7))  # a second file, for the swap
+    engine.close()
     return engine, image_id
 
 
@@ -118,6 +120,7 @@ def test_bad_kv_file_is_detected_dropped_counted_and_recomputed(model_dir, tmp_p
     restarted = Engine.from_pretrained(model_dir, store_dir=tmp_path)
     skill_id = restarted.add_skill("brief", "Answer in one word.")
     got = restarted.generate(ask(image_id, skill_id), max_new_tokens=4)
+    restarted.close()
     stats = restarted.stats()
     assert stats["disk_corrupt"] == 1 and got.vision_tower_runs == 1  # recomputed from the stored bytes
     assert got.text == reference.text
@@ -130,7 +133,7 @@ def test_bad_kv_file_is_detected_dropped_counted_and_recomputed(model_dir, tmp_p
 
 
 def test_store_of_another_model_is_refused(tiny_dirs, tmp_path):
-    Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], store_dir=tmp_path)
+    Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], store_dir=tmp_path).close()
     with pytest.raises(ValueError, match="another model"):
         Engine.from_pretrained(tiny_dirs["qwen3_vl"], store_dir=tmp_path)
 
@@ -138,11 +141,14 @@ def test_store_of_another_model_is_refused(tiny_dirs, tmp_path):
 def test_disk_budget_evicts_least_recently_used(model_dir, tmp_path):
     engine = Engine.from_pretrained(model_dir, store_dir=tmp_path)
     a = engine.add_image(make_png(64, 48, seed=1))
+    engine.close()
     size = engine.stats()["disk_bytes"]
     engine = Engine.from_pretrained(model_dir, store_dir=tmp_path, store_bytes=int(size * 2.5))
     b = engine.add_image(make_png(64, 48, seed=2))
+    engine.tiers.flush()
     engine.generate(ask(a), max_new_tokens=1)  # a is now more recent than b
     c = engine.add_image(make_png(64, 48, seed=3))  # evicts b
+    engine.close()
     stats = engine.stats()
     assert stats["disk_evictions"] == 1 and stats["disk_entries"] == 2 and stats["disk_bytes"] <= size * 2.5
     engine.tiers.disk.check_integrity()
@@ -157,6 +163,7 @@ def test_delete_purges_every_tier(model_dir, tmp_path):
     skill_id = engine.add_skill("brief", "Answer in one word.")
     engine.remove_image(image_id)
     engine.remove_skill(skill_id)
+    engine.close()  # nothing was left queued to bring them back
     assert kv_files(tmp_path) == []
     assert [p for p in (tmp_path / "records").rglob("*") if p.is_file()] == []
     assert [p for p in (tmp_path / "blobs").rglob("*") if p.is_file()] == []
@@ -208,6 +215,7 @@ def test_auto_store_dir_is_under_the_user_cache_per_fingerprint(tmp_path, monkey
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     fingerprint = "ab" * 32
     tiers = Tiers.open(StoreConfig("auto"), fingerprint, 2, torch.float32, torch.device("cpu"))
+    tiers.close()
     assert tiers.root == tmp_path / "mmkv" / fingerprint[:16]
     assert (tiers.root / "MODEL").read_text() == fingerprint and tiers.shared is None
     assert Tiers.open(StoreConfig(None), fingerprint, 2, torch.float32, torch.device("cpu")) is None

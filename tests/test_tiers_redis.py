@@ -86,6 +86,7 @@ def test_two_engines_share_uploads_skills_and_kv(model_dir, tmp_path, url):
     image_id = a.add_image(make_png(64, 48), tenant="t1")
     skill_id = a.add_skill("brief", "Answer in one word.", tenant="t1")
     on_a = a.generate(ask(image_id, skill_id), max_new_tokens=4, tenant="t1")
+    a.tiers.flush()  # the chunks reach Redis in the background
     on_b = b.generate(ask(image_id, skill_id), max_new_tokens=4, tenant="t1")
     stats = b.stats()
     assert on_b.vision_tower_runs == 0 and stats["vision_tower_runs"] == 0
@@ -99,9 +100,10 @@ def test_two_engines_share_uploads_skills_and_kv(model_dir, tmp_path, url):
         b.skill_info(skill_id, tenant="t2")
     assert b.list_skills("t2") == []
     # B's hit went to its disk too: a restart of B alone loads from disk
-    restarted = Engine.from_pretrained(model_dir, store_dir=tmp_path / "b", redis_url=url)
-    assert restarted.generate(ask(image_id), max_new_tokens=1, tenant="t1").vision_tower_runs == 0
-    assert restarted.stats()["disk_hits"] == 1
+    b.close()
+    b = Engine.from_pretrained(model_dir, store_dir=tmp_path / "b", redis_url=url)
+    assert b.generate(ask(image_id), max_new_tokens=1, tenant="t1").vision_tower_runs == 0
+    assert b.stats()["disk_hits"] == 1
     # a delete on A purges the shared tier, and B drops its own copies on its next reference
     b_files = sorted((tmp_path / "b" / "kv").glob("*/*"))
     a.remove_image(image_id, tenant="t1")
@@ -111,6 +113,7 @@ def test_two_engines_share_uploads_skills_and_kv(model_dir, tmp_path, url):
     with pytest.raises(UnknownSkillError):
         b.skill_info(skill_id, tenant="t1")
     assert b_files and not [p for p in b_files if p.exists()]  # B's disk KV of both went too
+    b.close()
     assert Engine.from_pretrained(model_dir, store_dir=tmp_path / "b", redis_url=url).list_skills("t1") == []
     fresh = Engine.from_pretrained(model_dir, redis_url=url)
     with pytest.raises(UnknownImageError):
@@ -118,7 +121,8 @@ def test_two_engines_share_uploads_skills_and_kv(model_dir, tmp_path, url):
     keys = [k.decode() for k in redis.Redis.from_url(url).keys("mmkv:*")]
     assert not [k for k in keys if ":blob:" in k or ":rec:" in k or ":kv:" in k], keys
     image_id = a.add_image(make_png(64, 48), tenant="t1")  # uploaded again: valid again everywhere
-    assert b.generate(ask(image_id), max_new_tokens=1, tenant="t1").vision_tower_runs == 0
+    a.tiers.flush()
+    assert fresh.generate(ask(image_id), max_new_tokens=1, tenant="t1").vision_tower_runs == 0
 
 
 @pytest.mark.parametrize("damage", ["flip", "swap"])
@@ -126,6 +130,7 @@ def test_corrupt_redis_value_is_detected_and_recomputed(model_dir, url, damage):
     a = Engine.from_pretrained(model_dir, redis_url=url)
     image_id = a.add_image(make_png(64, 48))
     reference = a.generate(ask(image_id), max_new_tokens=3)
+    a.tiers.flush()
     client = redis.Redis.from_url(url)
     (key,) = client.keys("mmkv:*:kv:*")
     value = bytearray(client.get(key))
@@ -133,12 +138,14 @@ def test_corrupt_redis_value_is_detected_and_recomputed(model_dir, url, damage):
         value[-50] ^= 0x10
     else:  # another image's KV under this image's key
         a.add_image(make_png(48, 64, seed=4))
+        a.tiers.flush()
         value = bytearray(client.get(next(k for k in client.keys("mmkv:*:kv:*") if k != key)))
     client.set(key, bytes(value))
     b = Engine.from_pretrained(model_dir, redis_url=url)
     got = b.generate(ask(image_id), max_new_tokens=3)
     assert b.stats()["redis_corrupt"] == 1 and got.vision_tower_runs == 1
     torch.testing.assert_close(got.first_logits, reference.first_logits, atol=1e-5, rtol=0)
+    b.tiers.flush()
     assert client.get(key) != bytes(value)  # the recomputed chunk replaced it
     c = Engine.from_pretrained(model_dir, redis_url=url)
     assert c.generate(ask(image_id), max_new_tokens=1).vision_tower_runs == 0
@@ -154,10 +161,12 @@ def test_two_servers_over_http_and_redis_down_then_back(model_dir, tmp_path, red
     """Upload on server A, ask on server B with the same API key; stop Redis mid-run: both still
     answer and /health says degraded; start it again: B uses it again without a restart."""
     settings = ServerSettings(api_keys=("sk-1", "sk-2"))
-    a = LiveServer(create_app(Engine.from_pretrained(model_dir, store_dir=tmp_path / "a", redis_url=url), settings))
-    b = LiveServer(create_app(Engine.from_pretrained(model_dir, store_dir=tmp_path / "b", redis_url=url), settings))
+    engine_a = Engine.from_pretrained(model_dir, store_dir=tmp_path / "a", redis_url=url)
+    engine_b = Engine.from_pretrained(model_dir, store_dir=tmp_path / "b", redis_url=url)
+    a, b = LiveServer(create_app(engine_a, settings)), LiveServer(create_app(engine_b, settings))
     try:
         up = a.client("sk-1").files.create(file=("a.png", make_png(64, 48), "image/png"), purpose="vision")
+        engine_a.tiers.flush()  # its KV reaches Redis in the background
         assert [f.id for f in b.client("sk-1").files.list().data] == [up.id]
         assert b.client("sk-2").files.list().data == []  # the other key's tenant sees nothing
         messages = [{"role": "user", "content": [{"type": "image_file", "image_file": {"file_id": up.id}},
@@ -187,6 +196,7 @@ def test_two_servers_over_http_and_redis_down_then_back(model_dir, tmp_path, red
         time.sleep(1.1)  # the retry interval: the next call tries Redis again
         assert httpx.get(f"{b.base_url}/health").json()["status"] == "ok"
         b.client("sk-1").chat.completions.create(model="m", messages=_inline(6), max_tokens=2)
+        engine_b.tiers.flush()
         assert redis.Redis.from_url(url).keys("mmkv:*:kv:*")  # written to the restarted Redis
         assert b.metrics()["mmkv:redis_up"] == 1
     finally:
@@ -200,11 +210,13 @@ def test_credentials_work_and_are_never_logged(model_dir, caplog):
         with caplog.at_level(logging.INFO, logger="mmkv"):
             engine = Engine.from_pretrained(model_dir, redis_url=server.url(":s3cret-pw@"))
             engine.add_image(make_png(64, 48))
+            engine.tiers.flush()
             assert engine.stats()["redis_writes"] == 1
             bad = RedisTier(server.url(":wrong@"), "ns", timeout_s=0.5)
             assert bad.check() is False and bad.errors == 1
             server.stop()
             engine.add_image(make_png(64, 48, seed=9))
+            engine.tiers.flush()
         assert engine.stats()["redis_errors"] >= 1
         assert "s3cret" not in caplog.text and "wrong" not in caplog.text and caplog.text
     finally:
@@ -232,6 +244,7 @@ def test_redis_down_at_start_up_then_back(model_dir, tmp_path):
         server.start()
         time.sleep(1.1)
         first.add_image(make_png(64, 48, seed=3))
+        first.tiers.flush()
         stats = first.stats()
         assert stats["redis_up"] == 1 and stats["redis_writes"] == 1
         # the disk's secret went to Redis: keys stay the same tenants, here and on every other server
