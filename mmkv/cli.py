@@ -87,6 +87,9 @@ def serve(
                                            help="Requests waiting for the engine before 429.")] = 64,
     max_batch: Annotated[int, typer.Option(envvar="MMKV_MAX_BATCH", min=1,
                                            help="Generations decoded together (continuous batching).")] = 8,
+    prefill_chunk: Annotated[int, typer.Option(envvar="MMKV_PREFILL_CHUNK", min=0,
+                                               help="Prompt tokens per prefill forward between decode steps "
+                                                    "(chunked prefill); 0 = whole prefills.")] = 512,
     max_body_mb: Annotated[float, typer.Option(envvar="MMKV_MAX_BODY_MB", help="Largest request body (413).")] = 32.0,
     file_store_gb: Annotated[float, typer.Option(envvar="MMKV_FILE_STORE_GB",
                                                  help="Uploaded image bytes kept in memory, all keys (507).")] = 2.0,
@@ -130,9 +133,6 @@ def serve(
     redis_url: Annotated[str | None, typer.Option(envvar="MMKV_REDIS_URL", help=(
         "Shared tier: redis://[user:password@]host:port/db or rediss:// (TLS). Servers on one Redis share "
         "uploads, skills and chunk KV. Default: none."))] = None,
-) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API (chat completions, files, models)."""
-    from mmkv.engine import Engine
     mooncake_master: Annotated[str | None, typer.Option(envvar="MMKV_MOONCAKE_MASTER", help=(
         "Shared tier on Mooncake Store instead of Redis: the mooncake_master's HOST:PORT (needs "
         "pip install 'mmkv[mooncake]' and libibverbs1). Default: none."))] = None,
@@ -143,6 +143,9 @@ def serve(
         "RAM this server lends to the Mooncake pool."))] = 1024,
     mooncake_buffer_mb: Annotated[int, typer.Option(envvar="MMKV_MOONCAKE_BUFFER_MB", min=1, help=(
         "Mooncake transfer buffer: the largest chunk shared."))] = 256,
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (chat completions, files, models)."""
+    from mmkv.engine import Engine
     from mmkv.errors import MMKVError, ModelLoadError
     from mmkv.server.app import ServerSettings, create_app
     from mmkv.server.serve import ConnectionLimits, serve
@@ -163,6 +166,7 @@ def serve(
                                                        "mooncake_buffer_bytes": mooncake_buffer_mb << 20})
         settings = ServerSettings(
             api_keys=tuple(api_key or ()), max_queue=max_queue, max_batch=max_batch, max_body_bytes=int(max_body_mb * (1 << 20)),
+            prefill_chunk=prefill_chunk,
             file_store_bytes=int(file_store_gb * (1 << 30)), max_images_per_request=max_images_per_request,
             key_file_bytes=int(key_file_quota_mb * (1 << 20)), key_files=key_file_quota_count,
             image_threads=image_threads, body_timeout_s=body_timeout_s,

@@ -392,12 +392,13 @@ def _features_in(plan, start: int, stop: int):
 
 
 def prefill_edited(adapter, store, plan, change: FieldChange, old_block_keys: list[str], seam: int, k: int,
-                   layer: int, rotate: bool):
+                   layer: int, rotate: bool, defer: bool = False):
     """in_place (k = 0) or selective@k: the old prompt's KV before the change, the changed tokens
     recomputed, the old KV after the change reused (re-rotated by the length difference) with the
     k tokens whose KV at `layer` moved most recomputed, then the rest of the prompt prefilled (at
-    least its last token, so the logits come from the model). None when the old prompt's KV is
-    no longer cached far enough (the caller recomputes)."""
+    least its last token, so the logits come from the model; with `defer` that last forward is left
+    pending, as `prefill_spliced` documents). None when the old prompt's KV is no longer cached far
+    enough (the caller recomputes)."""
     blocks = []
     for key in old_block_keys:
         blk = store.get(key, "prefix")
@@ -428,7 +429,8 @@ def prefill_edited(adapter, store, plan, change: FieldChange, old_block_keys: li
     if chosen:
         _recompute_scattered(adapter, cache, plan, a + x, keep, chosen)
     start = a + x + stale
-    result = prefill_spliced(adapter, ids, pos, plan.placements, seam, rotate=rotate, cache=cache, start=start)
+    result = prefill_spliced(adapter, ids, pos, plan.placements, seam, rotate=rotate, cache=cache, start=start,
+                             defer=defer)  # the last forward may be left pending: chunked prefill
     result.computed_tokens += x + len(chosen)
     result.reused_tokens = a + len(keep) + sum(e - b for b, e in result.reused_ranges[1:])
     result.reused_ranges = [(0, a)] + [(a + x + j, a + x + j + 1) for j in keep] + result.reused_ranges[1:]

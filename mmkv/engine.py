@@ -170,17 +170,39 @@ class GenerationResult:
 
 @dataclass
 class Run:
-    """A request between its prefill and its last token: the decode state, its KV, and what its
+    """A request between its plan and its last token: the turn's forward (cached KV already in
+    place; `prefill` runs it whole or a chunk at a time), the decode state, its KV, and what its
     result will report. `result()` once `stream` has finished."""
 
     stream: DecodeStream
-    cache: DynamicCache  # per layer [1, kv_heads, L, head_dim]: the prompt, then every token fed
-    first_logits: torch.Tensor  # [V] next-token logits after the prompt
+    prefilled: PrefillResult  # its forward pending until `prefill` returns True
     report: dict  # GenerationResult fields known at prefill
     calls: ContentFilter | None = None  # tool calls being held back from the text
     tool_spec: ToolSpec | None = None
     on_text: Callable[[str], None] | None = None
     deferred: Callable[[], None] | None = None  # work that waits until the first token is out
+
+    @property
+    def cache(self) -> DynamicCache:  # per layer [1, kv_heads, L, head_dim]: the prompt, then every token fed
+        return self.prefilled.cache
+
+    @property
+    def first_logits(self) -> torch.Tensor | None:  # [V] next-token logits after the prompt, once prefilled
+        return None if self.prefilled.logits is None else self.prefilled.logits[0]
+
+    @property
+    def pending_tokens(self) -> int:
+        """Prompt tokens the turn's forward has still to run."""
+        return 0 if self.prefilled.pending is None else self.prefilled.pending.remaining
+
+    def prefill(self, max_tokens: int | None = None) -> bool:
+        """Run the next at most `max_tokens` tokens of the turn's forward (None: all that are
+        left); True once it is done and `first_logits` is set. The caller holds the engine's lock."""
+        if not self.prefilled.advance(max_tokens):
+            return False
+        if self.report["first_logits"] is None:
+            self.report["first_logits"] = self.first_logits.cpu()
+        return True
 
     def first_token_out(self) -> None:
         """Call once the first token was sampled and passed on: stores the prompt's prefix blocks."""
@@ -312,6 +334,8 @@ class Engine:
                         device: str | None = None, seam_tokens: int = 1, rope_policy: str = "native",
                         cache_bytes: int = 2 << 30, min_pixels: int | None = None, max_pixels: int | None = None,
                         store_dir: str | Path | None = None, store_bytes: int = 20 << 30, redis_url: str | None = None,
+                        mooncake_master: str | None = None, mooncake_metadata: str | None = None,
+                        store_options: dict | None = None,
                         **settings) -> Engine:
         """Load a local checkpoint dir or a hub id in the local hub cache (None = the bundled sample
         model) and wrap it. `dtype`: float32 / bfloat16 / float16; `device`: cpu / cuda / cuda:N.
@@ -324,6 +348,9 @@ class Engine:
                 raise ModelLoadError(f"no model directory given and the bundled model {BUNDLED_MODEL} is missing; "
                                      f"pass the path of a local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint")
             model_dir = BUNDLED_MODEL
+        # checked before the model loads: a bad tier flag or a missing library fails fast
+        store = StoreConfig(Path(store_dir) if store_dir is not None else None, store_bytes, redis_url,
+                            mooncake_master=mooncake_master, mooncake_metadata=mooncake_metadata, **(store_options or {}))
         resolved = resolve_model(model_dir)
         adapter = load_adapter(resolved.path, dtype=dtype, device=device)
         ip = adapter.processor.image_processor
@@ -333,12 +360,8 @@ class Engine:
             size["longest_edge"] = max_pixels if max_pixels is not None else size["longest_edge"]
             ip.size = size
         cfg = EngineSettings(seam_tokens=seam_tokens, rope_policy=rope_policy, cache_bytes=cache_bytes, **settings)
-        store = StoreConfig(Path(store_dir) if store_dir is not None else None, store_bytes, redis_url,
-                            mooncake_master=mooncake_master, mooncake_metadata=mooncake_metadata, **(store_options or {}))
         return cls(adapter, cfg, model_id=resolved.model_id, store=store)
 
-                        mooncake_master: str | None = None, mooncake_metadata: str | None = None,
-                        store_options: dict | None = None,
     # ---- setup ---------------------------------------------------------------------------------
     def _render(self, template_messages: list[dict], add_generation_prompt: bool = True,
                 tools: ToolSpec | None = None) -> str:
@@ -780,6 +803,7 @@ class Engine:
         time until the request is done. Arguments as `start` documents them."""
         run = self.start(messages, **kwargs)
         with self._lock:
+            run.prefill()
             token = run.stream.step(run.first_logits)
             run.first_token_out()
             while token is not None:
@@ -796,7 +820,8 @@ class Engine:
                  logit_bias: dict[int, float] | None = None, logprobs: bool = False, top_logprobs: int = 0,
                  on_logprobs: Callable[[list[TokenLogprob]], None] | None = None, tools: list[dict] | None = None,
                  tool_choice: str | dict | None = None) -> Run:
-        """Validate and prefill one request; returns its `Run`, whose decoding `generate` or the
+        """Validate, plan and place one request's cached KV; returns its `Run`, whose forward
+        (`Run.prefill`: whole, or chunked between decode steps) and decoding `generate` or the
         scheduler drives (mmkv.scheduler). The same arguments as `generate`.
 
         Answer OpenAI-shaped `messages`. `reuse=False` is the reference: one full causal forward.
@@ -805,7 +830,7 @@ class Engine:
         prompt prefix is reused. `edit_policy` decides what happens when the prompt equals a recent
         one except for a short changed field (see mmkv.edits). `on_text(delta)` receives text as
         it is decoded; `should_stop()` is polled between tokens. `fidelity=True` also runs the
-        full recompute and reports how far the first logits are.
+        full recompute and reports how far the first logits are (then the forward runs whole here).
 
         Sampling follows OpenAI: temperature in [0, 2] (below 1e-5 greedy), top_p in (0, 1], top_k
         (0 = off), presence / frequency penalties in [-2, 2] over the tokens generated so far,
@@ -852,13 +877,15 @@ class Engine:
             if reuse:
                 plan = self._plan(input_ids, [(s, self._chunk_for(r, tenant)) for s, r in spans], policy)
                 prefill, plan, report = self.placer.prefill(plan, tenant, self._salt(tenant, seam, policy), seam,
-                                                            policy, edit, max_new_tokens)
+                                                            policy, edit, max_new_tokens)  # forward pending
             else:
                 grids = [r.grid_thw for r in resolved if isinstance(r, _Registered)]
                 native = self.adapter.native_positions(input_ids, grids)
                 feats = ImageFeatures.concat([self._encode(r) for r in resolved if isinstance(r, _Registered)])
-                prefill = prefill_full(self.adapter, input_ids, native, feats)
+                prefill = prefill_full(self.adapter, input_ids, native, feats, defer=True)
                 plan = SplicePlan(input_ids, native, native, [], [None] * input_ids.numel())
+            if fidelity and reuse:
+                prefill.advance()  # the comparison needs the logits now: the forward runs whole
             fid = self._fidelity(prefill, plan) if fidelity and reuse else None
             precompiled = self._counters.prefill_tokens - computed_before
             reused_kinds = self._reused_by_kind(plan, prefill, self._fresh)
@@ -871,17 +898,16 @@ class Engine:
                 tokenizer=self.adapter.tokenizer, token_texts=self.token_texts, stop_ids=self.stop_ids,
                 banned_ids=self.banned_ids, sampling=sampling, stops=stops, max_new_tokens=max_new_tokens,
                 first_position=int(plan.positions.max()) + 1, on_text=content, on_logprobs=on_logprobs,
-                should_stop=should_stop, t0=t0, device=prefill.logits.device)
+                should_stop=should_stop, t0=t0, device=self.adapter.device)
             report_fields = dict(
                 usage=Usage(plan.input_ids.numel(), reused_kinds["all"], 0), image_tokens_reused=reused_kinds["image"],
                 lm_tokens_computed=prefill.computed_tokens + precompiled,
                 vision_tower_runs=self._counters.vision_tower_runs - runs_before,
                 seam_tokens=seam, rope_policy=policy, reuse=reuse, prefix_tokens_reused=reused_kinds["prefix"],
                 skill_tokens_reused=reused_kinds["skill"], fidelity=fid, edit=report,
-                first_logits=prefill.logits[0].cpu())
+                first_logits=None)  # set by Run.prefill
             deferred, self.placer.deferred_insert = self.placer.deferred_insert, None
-            return Run(stream, prefill.cache, prefill.logits[0], report_fields, calls, tool_spec, on_text,
-                       self._run_under_lock(deferred))
+            return Run(stream, prefill, report_fields, calls, tool_spec, on_text, self._run_under_lock(deferred))
 
     def _run_under_lock(self, fn: Callable[[], object] | None) -> Callable[[], None] | None:
         if fn is None:

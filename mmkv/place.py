@@ -1,7 +1,9 @@
 """Place cached KV: the stage between the plan and the forward. Edit detection against recent
 prompts, then the edit policy (mmkv.edits), then the exact reuse path: the longest cached prompt
 prefix and the splice of every cached chunk (mmkv.splice). Its prefix blocks are stored once the
-request's first token is out (`deferred_insert`, taken by the request's Run).
+request's first token is out (`deferred_insert`, taken by the request's Run). The turn's final
+forward is left pending in the result (`PrefillResult.advance`): the scheduler runs it, whole or a
+chunk at a time between decode steps (chunked prefill).
 
 Not thread-safe: the engine's lock covers every call.
 """
@@ -86,10 +88,11 @@ class KVPlacer:
 
     def prefill(self, plan: SplicePlan, tenant: str, salt: str, seam: int, policy: str, edit: EditPolicy,
                 max_new_tokens: int) -> tuple[PrefillResult, SplicePlan, EditReport | None]:
-        """Edit detection, then the edit policy, then prefix cache + splice. Returns the prefill,
-        the plan actually prefilled (the erratum policy rewrites the prompt) and the edit report.
-        A policy that cannot apply, or fails, falls back to the exact path (recompute) and the
-        report says why: a policy never turns an answerable request into an error."""
+        """Edit detection, then the edit policy, then prefix cache + splice. Returns the prefill
+        (its final forward pending), the plan actually prefilled (the erratum policy rewrites the
+        prompt) and the edit report. A policy that cannot apply, or fails before that forward,
+        falls back to the exact path (recompute) and the report says why: a policy never turns an
+        answerable request into an error."""
         recent = self.recent.of((tenant, salt))
         client = TokenView.of(plan.input_ids, plan.placements)
         change = detect_field_change(client, recent, self.template_tokens, self.edit_rules)
@@ -144,7 +147,7 @@ class KVPlacer:
         old = change.prompt.prefilled
         old_keys = block_keys(torch.from_numpy(old.ids).long(), old.chunk_keys(), salt)
         result = prefill_edited(self.adapter, self.store, plan, change, old_keys, seam, edit.k,
-                                self.settings.selective_layer, rotate=policy != "none")
+                                self.settings.selective_layer, rotate=policy != "none", defer=True)
         if result is None:
             report.reason = "the earlier prompt's KV is no longer cached past the change"
             return None, plan
@@ -164,7 +167,7 @@ class KVPlacer:
             self.prefix.load(blocks, preallocate(self.adapter, cache, 0, n))
         rotate = policy != "none"
         result = prefill_spliced(self.adapter, plan.input_ids, plan.positions, plan.placements, seam,
-                                 rotate=rotate, cache=cache, start=start)
+                                 rotate=rotate, cache=cache, start=start, defer=True)
         if keys:  # stored once the first token is out (Run.first_token_out): off the TTFT path
             cache, rope = result.cache, self.adapter.rope
             spans = chunk_spans(plan, n, start, seam, rotate)

@@ -1,13 +1,22 @@
 """Continuous batching: one loop owns the decoding of every running request.
 
-Each turn of the loop (nano-vllm's schedule -> run -> postprocess):
-1. admit: at most one waiting request is prefilled (`Engine.start`: plan, place cached KV, one
-   forward) and joins the batch, so a prefill delays one decode step, never a whole answer;
-2. step: one batched forward runs the last token of every running request (`DecodeBatch`);
-3. postprocess: each request's `DecodeStream` takes its row of logits; finished requests leave
+A request is waiting, then prefilling, then running (decoding in the batch). Each turn of the
+loop (nano-vllm's schedule -> run -> postprocess):
+1. admit: when no request is prefilling, the first waiting one is planned and its cached KV
+   placed (`Engine.start`); it is now the prefilling request;
+2. prefill: the prefilling request's forward runs its next `prefill_chunk` prompt tokens
+   (chunked prefill, as vLLM's and SGLang's; 0 = the whole forward at once). Once its last chunk
+   ran, its first token is sampled and it joins the batch. So a long prompt delays the running
+   requests' next token by one chunk's forward, not by its whole prefill;
+3. step: one batched forward runs the last token of every running request (`DecodeBatch`);
+4. postprocess: each request's `DecodeStream` takes its row of logits; finished requests leave
    the batch and their futures get their `GenerationResult`.
-Requests keep their own sampling settings, stop strings, callbacks and cancellation; a failure in
-one request fails only its future.
+The budget per turn is one chunk plus one decode step; they are separate forwards (a decode row
+does not ride along in the chunk's forward). Only the turn's final forward is chunked: a cache
+miss's precompile (vision tower, the chunk's isolated prefill) and an edit policy's small extra
+forwards run whole in `Engine.start`. Requests keep their own sampling settings, stop strings,
+callbacks and cancellation (a request cancelled mid-prefill ends before its next chunk, its KV
+dropped and nothing stored from it); a failure in one request fails only its future.
 
 Thread-safety: `submit`, `stop` and `stats` from any thread; the loop thread is the only one that
 touches the batch. Model calls take the engine's lock, so other engine work (an upload's
@@ -111,29 +120,37 @@ class _Request:
     token: int | None = None  # the next token to run
 
 
-class Scheduler:
-    """Owns the decode loop of every running request (module docstring). `submit` returns a
-    future of the request's GenerationResult; its keyword arguments are `Engine.start`'s."""
+DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward between two decode steps
 
-    def __init__(self, engine, max_batch: int = 8):
+
+class Scheduler:
+    """Owns the prefill and decode loop of every admitted request (module docstring). `submit`
+    returns a future of the request's GenerationResult; its keyword arguments are `Engine.start`'s.
+    `prefill_chunk`: prompt tokens per prefill forward between decode steps (0: whole prefills)."""
+
+    def __init__(self, engine, max_batch: int = 8, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
-        self.engine, self.max_batch = engine, max_batch
+        if prefill_chunk < 0:
+            raise ValueError("prefill_chunk must be >= 0 (0: prefills are not chunked)")
+        self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
         self.batch: DecodeBatch | None = None  # made on first use: building a scheduler touches no model
         self._waiting: deque[_Request] = deque()
+        self._prefilling: _Request | None = None  # admitted, its forward not finished
         self._running: list[_Request] = []
         self._cond = threading.Condition()
         self._stopping = self._draining = False
         self._thread = threading.Thread(target=self._loop, name="mmkv-scheduler", daemon=True)
         self.decode_steps = 0
         self.decoded_tokens = 0  # rows summed over steps: decoded_tokens / decode_steps = mean batch
+        self.prefill_forwards = 0  # prefill chunks run (one per whole prefill when not chunked)
 
     def start(self) -> Scheduler:
         self._thread.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Refuse new requests, cancel the running ones (they finish "cancelled") and join."""
+        """Refuse new requests, cancel the admitted ones (they finish "cancelled") and join."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
@@ -154,7 +171,7 @@ class Scheduler:
 
     def cancel(self, future: concurrent.futures.Future) -> bool:
         """Take a waiting request out of the queue (its future is cancelled); False if it is not
-        waiting (running requests stop through their `should_stop`)."""
+        waiting (prefilling and running requests stop through their `should_stop`)."""
         with self._cond:
             for req in self._waiting:
                 if req.future is future:
@@ -180,7 +197,8 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        """Admitted requests: the prefilling one and those decoding."""
+        return len(self._running) + (self._prefilling is not None)
 
     @property
     def alive(self) -> bool:
@@ -189,33 +207,60 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._running and not self._stopping:
+                while not (self._waiting or self._prefilling or self._running or self._stopping):
                     self._cond.wait()
                 if self._stopping:
                     break
-                admit = self._waiting.popleft() if self._waiting and len(self._running) < self.max_batch else None
+                admit = None
+                if self._waiting and self._prefilling is None and len(self._running) < self.max_batch:
+                    admit = self._waiting.popleft()
             if admit is not None:
                 self._admit(admit)
+            if self._prefilling is not None:
+                self._prefill()
             if self._running:
                 self._step()
         self._shut_down()
 
     def _admit(self, req: _Request) -> None:
+        """Plan the request and place its cached KV; it becomes the prefilling request."""
         if not req.future.set_running_or_notify_cancel():
             return
         try:
             if req.on_start is not None:
                 req.on_start()
-            run = self.engine.start(req.messages, **req.kwargs)
+            req.run = self.engine.start(req.messages, **req.kwargs)
+        except BaseException as exc:  # noqa: BLE001 - the request's own failure goes back to it
+            _fail(req, exc)
+            return
+        self._prefilling = req
+
+    def _prefill(self) -> None:
+        """The prefilling request's next chunk (all of it with `prefill_chunk` 0); after its last,
+        its first token and its place in the batch."""
+        req, run = self._prefilling, self._prefilling.run
+        try:
+            if run.stream.should_stop is not None and run.stream.should_stop():
+                self._prefilling = None
+                run.stream.cancel()
+                req.future.set_result(run.result())
+                return
+            with self.engine._lock:
+                done = run.prefill(self.prefill_chunk or None)
+            self.prefill_forwards += 1
+            if not done:
+                return
+            self._prefilling = None
             token = run.stream.step(run.first_logits)
             run.first_token_out()
         except BaseException as exc:  # noqa: BLE001 - the request's own failure goes back to it
+            self._prefilling = None
             _fail(req, exc)
             return
         if token is None:
             req.future.set_result(run.result())
             return
-        req.run, req.token = run, token
+        req.token = token
         if self.batch is None:
             self.batch = DecodeBatch(self.engine.adapter)
         with self.engine._lock:
@@ -258,10 +303,10 @@ class Scheduler:
         for r in waiting:
             if r.future.set_running_or_notify_cancel():
                 r.future.set_exception(SchedulerStoppedError("the scheduler is shutting down"))
-        for r in self._running:
+        for r in ([self._prefilling] if self._prefilling else []) + self._running:
             r.run.stream.cancel()
             r.future.set_result(r.run.result())
-        self._running, self.batch = [], None
+        self._prefilling, self._running, self.batch = None, [], None
 
 
 def _fail(req: _Request, exc: BaseException) -> None:

@@ -1,7 +1,7 @@
 """The engine's two threads and the bounded queue in front of them.
 
-Generations go to the scheduler (mmkv.scheduler: continuous batching, one prefill admitted
-between batched decode steps); every other engine call (add an image, add a skill, drop one) is
+Generations go to the scheduler (mmkv.scheduler: continuous batching, prefills run a chunk at a
+time between batched decode steps); every other engine call (add an image, add a skill, drop one) is
 a `Job` run on the worker thread, one at a time, in arrival order. Both take the engine's lock
 for model work, so they interleave rather than race. Async handlers submit and await the job's
 future; a full queue (waiting jobs and waiting generations together) refuses at once (429)
@@ -66,14 +66,14 @@ class EngineWorker:
     """Runs jobs on one thread. `submit` and `cancel` are thread-safe; `stats` is the engine's
     `stats()` as of the last finished job (read without touching the engine)."""
 
-    def __init__(self, engine, max_queue: int = 64, max_batch: int = 8):
+    def __init__(self, engine, max_queue: int = 64, max_batch: int = 8, prefill_chunk: int = 512):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
         self.max_queue = max_queue
         from mmkv.scheduler import Scheduler  # here: importing the server must not import torch
 
-        self.scheduler = Scheduler(engine, max_batch)
+        self.scheduler = Scheduler(engine, max_batch, prefill_chunk)
         self.stats: dict[str, Any] = {}
         self._pending: deque[Job] = deque()
         self._cond = threading.Condition()

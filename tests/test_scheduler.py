@@ -49,6 +49,8 @@ def test_decode_batch_rows_equal_single_decoding(engine):
     batch = DecodeBatch(engine.adapter)
     tokens = []
     for run in runs:
+        assert run.first_logits is None and run.pending_tokens > 0  # start places the KV; the forward waits
+        run.prefill()
         batch.add(run.cache)
         tokens.append(run.stream.step(run.first_logits))
     assert batch.pad.count(0) >= 1 and len(set(batch.pad)) > 1  # rows really are padded

@@ -1,0 +1,234 @@
+"""Chunked prefill (issue 13): the turn's forward run a chunk at a time equals the one forward,
+and the scheduler runs a decode step of the running batch between the chunks.
+
+Oracles: the unchunked forward of the same placed KV (first-token logits and every layer's KV
+within TOL, float32), `Engine.generate` alone (greedy tokens identical), the recorded order of
+model calls, and the KV store's `check_integrity` with its contents unchanged by a cancelled
+request."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mmkv import Engine
+from mmkv.scheduler import Scheduler
+
+from conftest import make_png
+
+TOL = 1e-5  # float32: a chunk changes only the matmul shapes
+TEXT = "a refund is allowed only when the order status is delivered . otherwise escalate . "
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def engine(request, tiny_dirs):
+    return Engine.from_pretrained(tiny_dirs[request.param], dtype=torch.float32, device="cpu")
+
+
+def _image(engine, tenant: str, seed: int = 5):
+    return {"type": "image_file", "image_file": {"file_id": engine.add_image(make_png(84, 56, seed=seed), tenant)}}
+
+
+def _prompts(engine) -> dict[str, tuple[list, dict]]:
+    skill = engine.add_skill("policy", TEXT * 3, tenant="chunks")
+    image = _image(engine, "chunks")
+    return {
+        "text": ([{"role": "system", "content": TEXT * 4}, {"role": "user", "content": "refund ?"}], {}),
+        "image": ([{"role": "system", "content": TEXT}, {"role": "user", "content": [
+            {"type": "text", "text": "look at"}, image, {"type": "text", "text": "what shape is it ?"}]}], {}),
+        "image-seam3": ([{"role": "system", "content": TEXT}, {"role": "user", "content": [  # image pads computed
+            {"type": "text", "text": "look at"}, image, {"type": "text", "text": "what shape is it ?"}]}],
+            {"seam_tokens": 3}),
+        "skill": ([{"role": "system", "content": [{"type": "text", "text": "rules :"},
+                                                  {"type": "skill", "skill_id": skill}]},
+                   {"role": "user", "content": "refund ?"}], {}),
+        "full": ([{"role": "user", "content": [image, {"type": "text", "text": TEXT}]}], {"reuse": False}),
+    }
+
+
+def _prefilled(engine, msgs, kwargs, chunk: int | None):
+    run = engine.start(msgs, max_new_tokens=1, tenant="chunks", **kwargs)
+    pieces = 0
+    with engine._lock:
+        while not run.prefill(chunk):
+            pieces += 1
+    return run, pieces + 1
+
+
+def _assert_same(a, b):
+    assert (a.first_logits - b.first_logits).abs().max().item() <= TOL
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        assert la.keys.shape == lb.keys.shape
+        assert (la.keys - lb.keys).abs().max().item() <= TOL and (la.values - lb.values).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("case", ["text", "image", "image-seam3", "skill", "full"])
+def test_chunked_forward_equals_the_one_forward(engine, case):
+    msgs, kwargs = _prompts(engine)[case]
+    whole, pieces = _prefilled(engine, msgs, kwargs, None)
+    assert pieces == 1
+    probe = engine.start(msgs, max_new_tokens=1, tenant="chunks", **kwargs)
+    q = probe.pending_tokens
+    sizes = {1, 3, 7, q // 2 or 1, q}
+    if case != "text" and case != "full":
+        index = probe.prefilled.pending.index
+        (placed,) = engine.splice_plan(msgs, tenant="chunks").placements
+        at = int((index < placed.start).sum())  # the seam's first token among the computed tokens
+        assert at and int(index[at]) == placed.start
+        sizes |= {at, at + 1, at + 2}  # the first boundary right before the seam, after its first / second token
+    for size in sorted(sizes):
+        run, pieces = _prefilled(engine, msgs, kwargs, size)
+        assert pieces == math.ceil(q / size)
+        _assert_same(run, whole)
+    print(f"{engine.adapter.family} {case}: {q} computed tokens, chunk sizes {sorted(sizes)} equal the one forward")
+
+
+def test_chunked_forward_after_a_prefix_cache_hit(engine):
+    turn1 = [{"role": "system", "content": TEXT * 3}, {"role": "user", "content": [_image(engine, "prefix-chunks", 7),
+                                                                                   {"type": "text", "text": "shape ?"}]}]
+    engine.generate(turn1, max_new_tokens=1, tenant="prefix-chunks")  # its blocks go into the prefix cache
+    turn2 = turn1 + [{"role": "assistant", "content": "a circle"}, {"role": "user", "content": TEXT}]
+    whole = engine.start(turn2, max_new_tokens=1, tenant="prefix-chunks")
+    with engine._lock:
+        whole.prefill()
+    assert whole.report["prefix_tokens_reused"] > 0
+    for size in (1, 5, 16):
+        run = engine.start(turn2, max_new_tokens=1, tenant="prefix-chunks")
+        assert run.report["prefix_tokens_reused"] == whole.report["prefix_tokens_reused"]
+        with engine._lock:
+            while not run.prefill(size):
+                pass
+        _assert_same(run, whole)
+    engine.check_integrity()
+
+
+def test_an_edit_policy_chunks_its_last_forward(engine):
+    """in_place recomputes the changed field, then prefills the rest of the prompt through the
+    splice's forward: that forward chunks like any other."""
+    def prompt(value):
+        return [{"role": "system", "content": TEXT * 4 + f"\norder_status: {value}\n" + TEXT * 2},
+                {"role": "user", "content": "refund ?"}]
+    engine.generate(prompt("pending"), max_new_tokens=1, tenant="edit-chunks")
+    runs = []
+    for size in (None, 1, 3):
+        run = engine.start(prompt("shipped"), max_new_tokens=1, tenant="edit-chunks", edit_policy="in_place")
+        assert run.report["edit"].applied == "in_place" and run.pending_tokens > 3
+        with engine._lock:
+            while not run.prefill(size):
+                pass
+        runs.append(run)
+    for run in runs[1:]:
+        _assert_same(run, runs[0])
+
+
+def _record(monkeypatch, engine, events: list, fail_on=None):
+    """Log every model call as ("prefill", tokens) or ("decode", rows); `fail_on(event_number)`
+    True makes that prefill forward raise."""
+    forward, decode = engine.adapter.forward, engine.adapter.forward_decode
+
+    def recorded_forward(input_ids, *args, **kwargs):
+        events.append(("prefill", input_ids.numel()))
+        if fail_on is not None and fail_on(len(events)):
+            raise RuntimeError("chunk failed")
+        return forward(input_ids, *args, **kwargs)
+
+    def recorded_decode(tokens, *args, **kwargs):
+        events.append(("decode", tokens.numel()))
+        return decode(tokens, *args, **kwargs)
+    monkeypatch.setattr(engine.adapter, "forward", recorded_forward)
+    monkeypatch.setattr(engine.adapter, "forward_decode", recorded_decode)
+
+
+def _long(engine, tenant: str):
+    return [{"role": "system", "content": TEXT * 6},
+            {"role": "user", "content": [_image(engine, tenant, 9), {"type": "text", "text": "what shape ?"}]}]
+
+
+def _running(engine, tokens=60):
+    banned = {t: -100.0 for t in engine.stop_ids}  # every answer runs to max_new_tokens
+    return [{"role": "user", "content": "count to ten ."}], {"max_new_tokens": tokens, "logit_bias": banned}
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_decode_steps_run_between_the_chunks_of_a_long_prefill(engine, monkeypatch, chunk):
+    """A decodes; B (a long prompt with an image) arrives: with chunking every chunk of B's
+    forward is followed by a decode step of A, and both answer exactly as alone."""
+    short, kw = _running(engine)
+    want_a = engine.generate(short, tenant="order", **kw)
+    want_b = engine.generate(_long(engine, "alone"), max_new_tokens=8, tenant="alone")  # no prefix hit for B below
+    events: list = []
+    _record(monkeypatch, engine, events)
+    sched = Scheduler(engine, max_batch=4, prefill_chunk=chunk)
+    a = sched.submit(short, tenant="order", **kw)
+    b = sched.submit(_long(engine, f"order{chunk}"), max_new_tokens=8, tenant=f"order{chunk}")  # after A's prefill
+    sched.start()
+    try:
+        got_a, got_b = a.result(timeout=120), b.result(timeout=120)
+    finally:
+        sched.stop()
+    assert got_a.token_ids == want_a.token_ids and got_b.token_ids == want_b.token_ids
+    assert (got_b.first_logits - want_b.first_logits).abs().max().item() <= TOL
+    first_decode = events.index(("decode", 1))
+    b_chunks = [i for i, (kind, _) in enumerate(events) if kind == "prefill" and i > first_decode]
+    assert sum(events[i][1] for i in b_chunks) == got_b.lm_tokens_computed
+    if chunk:
+        assert len(b_chunks) == math.ceil(got_b.lm_tokens_computed / chunk) > 3
+        assert all(events[i][1] <= chunk for i in b_chunks)
+        for i, j in zip(b_chunks, b_chunks[1:]):  # one decode step of A between two chunks of B
+            assert events[i + 1:j] == [("decode", 1)]
+    else:
+        assert len(b_chunks) == 1  # the whole prefill: A waits for all of it
+    print(f"{engine.adapter.family} chunk {chunk}: {len(b_chunks)} prefill forwards for "
+          f"{got_b.lm_tokens_computed} tokens, decode steps between them")
+
+
+def test_cancel_mid_prefill_frees_it_and_stores_nothing(engine, monkeypatch):
+    msgs = _long(engine, "cancel")
+    engine.start(msgs, max_new_tokens=1, tenant="cancel")  # precompile the image outside the count
+    short, kw = _running(engine, 30)
+    want = engine.generate(short, tenant="cancel", **kw)  # its prefix blocks are stored now
+    before = engine.stats()
+    events: list = []
+    _record(monkeypatch, engine, events)
+    sched = Scheduler(engine, max_batch=4, prefill_chunk=8)
+    running = sched.submit(short, tenant="cancel", **kw)
+    cancelled = sched.submit(msgs, max_new_tokens=8, tenant="cancel",
+                             should_stop=lambda: sum(kind == "prefill" for kind, _ in events) >= 5)
+    sched.start()
+    try:
+        got = cancelled.result(timeout=120)
+        other = running.result(timeout=120)
+    finally:
+        sched.stop()
+    assert got.finish_reason == "cancelled" and got.token_ids == [] and got.first_logits is None
+    assert sum(kind == "prefill" for kind, _ in events) < got.lm_tokens_computed // 8  # it stopped early
+    assert other.token_ids == want.token_ids
+    engine.check_integrity()
+    after = engine.stats()
+    assert after["prefix_blocks"] == before["prefix_blocks"] and after["cache_bytes"] == before["cache_bytes"]
+    again = engine.generate(msgs, max_new_tokens=1, tenant="cancel")
+    assert again.prefix_tokens_reused == 0  # no block of the cancelled prompt was stored
+    engine.check_integrity()
+
+
+def test_a_failing_chunk_fails_only_its_request(engine, monkeypatch):
+    events: list = []
+    armed = {"on": False}
+    _record(monkeypatch, engine, events, fail_on=lambda n: armed["on"] and events[-1][0] == "prefill")
+    engine.start(_long(engine, "fail"), max_new_tokens=1, tenant="fail")  # precompile the image: only chunks fail
+    short, kw = _running(engine, 20)
+    want = engine.generate(short, tenant="fail", **kw)
+    sched = Scheduler(engine, max_batch=4, prefill_chunk=8)
+    ok = sched.submit(short, tenant="fail", **kw)
+    doomed = sched.submit(_long(engine, "fail"), max_new_tokens=4, tenant="fail",
+                          on_start=lambda: armed.update(on=True))  # start() places the KV, then chunks fail
+    sched.start()
+    try:
+        with pytest.raises(RuntimeError, match="chunk failed"):
+            doomed.result(timeout=120)
+        assert ok.result(timeout=120).token_ids == want.token_ids
+    finally:
+        sched.stop()
+    engine.check_integrity()
