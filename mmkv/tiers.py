@@ -34,7 +34,7 @@ from mmkv.chunk_codec import CorruptEntryError, decode_chunk, encode_chunk
 from mmkv.chunks import CachedChunk
 from mmkv.disk_tier import DiskTier, atomic_write, lock_store_dir
 from mmkv.durable_registry import DurableRegistry
-from mmkv.mooncake_tier import MooncakeTier
+from mmkv.mooncake_tier import MooncakeTier, load_store_class, split_address
 from mmkv.redis_tier import RedisTier
 from mmkv.shared_tier import SharedTier
 from mmkv.tier_writer import TierWriter
@@ -84,6 +84,9 @@ class StoreConfig:
                              "(one shared store per server: Redis, the default, or Mooncake Store)")
         if self.mooncake_metadata is not None and self.mooncake_master is None:
             raise ValueError("--mooncake-metadata needs --mooncake-master")
+        if self.mooncake_master is not None:
+            split_address(self.mooncake_master, "--mooncake-master")
+            load_store_class()  # MooncakeUnavailable naming the fix, before anything is loaded or written
 
     @property
     def enabled(self) -> bool:

@@ -2,17 +2,24 @@
 their KV from disk (0 vision-tower runs, 0 LM tokens for them, logits equal to the first run's);
 a corrupted, truncated, swapped or foreign KV file is detected, dropped, counted and recomputed;
 the byte budget holds by LRU; a delete leaves nothing behind; the fingerprint covers the weights,
-tokenizer, chat template and processor."""
+tokenizer, chat template and processor, and its weight-file digests are cached (a changed file is
+hashed again); a store directory is held by one process."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import make_png
+import mmkv.fingerprint
+from conftest import free_port, make_png
 from mmkv.chunk_codec import encode_chunk
+from mmkv.disk_tier import StoreInUseError
 from mmkv.engine import Engine
 from mmkv.errors import UnknownImageError, UnknownSkillError
 from mmkv.fingerprint import durable_key, image_source_digest, model_fingerprint
@@ -219,3 +226,53 @@ def test_auto_store_dir_is_under_the_user_cache_per_fingerprint(tmp_path, monkey
     assert tiers.root == tmp_path / "mmkv" / fingerprint[:16]
     assert (tiers.root / "MODEL").read_text() == fingerprint and tiers.shared is None
     assert Tiers.open(StoreConfig(None), fingerprint, 2, torch.float32, torch.device("cpu")) is None
+
+
+def test_a_store_directory_is_held_by_one_process(model_dir, tmp_path):
+    """A second `mmkv serve` on a held directory fails at start with the directory and the holder's
+    pid; a holder killed with SIGKILL leaves it free (the kernel drops the flock)."""
+    store = tmp_path / "store"
+    held = Tiers.open(StoreConfig(store), "ab" * 32, 2, torch.float32, torch.device("cpu"))
+    second = subprocess.run([sys.executable, "-m", "mmkv.cli", "serve", str(model_dir), "--store-dir", str(store),
+                             "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2, second.stderr
+    assert f"{store} is in use by another mmkv process (pid {os.getpid()})" in second.stderr, second.stderr
+    with pytest.raises(StoreInUseError, match="in this process"):
+        Tiers.open(StoreConfig(store), "ab" * 32, 2, torch.float32, torch.device("cpu"))
+    held.close()
+    code = ("import os, signal, torch; from mmkv.tiers import StoreConfig, Tiers; "
+            f"Tiers.open(StoreConfig({str(store)!r}), {'ab' * 32!r}, 2, torch.float32, torch.device('cpu')); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    killed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    Tiers.open(StoreConfig(store), "ab" * 32, 2, torch.float32, torch.device("cpu")).close()
+
+
+def test_weight_digests_are_cached_and_a_changed_file_is_hashed_again(model_dir, tmp_path, monkeypatch):
+    engine = Engine.from_pretrained(model_dir)
+    copy = tmp_path / "copy"
+    shutil.copytree(model_dir, copy)
+    cache = tmp_path / "store" / "weight_digests.json"
+    reads: list[str] = []
+    real = mmkv.fingerprint.file_digest
+    monkeypatch.setattr(mmkv.fingerprint, "file_digest", lambda path: reads.append(path.name) or real(path))
+    weights = sorted(p.name for p in copy.glob("*.safetensors"))
+    base = model_fingerprint(engine.adapter, copy, digest_cache=cache)
+    assert sorted(reads) == weights and cache.is_file()  # the first start reads every weight file
+    assert base == model_fingerprint(engine.adapter, copy)  # the cache changes nothing but the reads
+    reads.clear()
+    assert model_fingerprint(engine.adapter, copy, digest_cache=cache) == base and reads == []  # restart: none read
+    path = copy / weights[0]
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 1  # same size; new mtime and ctime
+    path.write_bytes(bytes(data))
+    changed = model_fingerprint(engine.adapter, copy, digest_cache=cache)
+    assert reads == [weights[0]] and changed != base
+    stat = path.stat()
+    data[-3] ^= 1  # back to the original bytes, mtime set back too: ctime still tells
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    reads.clear()
+    assert model_fingerprint(engine.adapter, copy, digest_cache=cache) == base and reads == [weights[0]]
+    cache.write_text("{not json")  # an unreadable cache is only a slower start
+    assert model_fingerprint(engine.adapter, copy, digest_cache=cache) == base

@@ -1,0 +1,225 @@
+"""The shared tier on Mooncake Store (issue 14). Always: a server asked for Mooncake without a
+loadable library (package missing, or libibverbs missing) fails at start-up with the exact fix,
+and Redis with Mooncake together is refused. Where the library loads (pip install 'mmkv[mooncake]'
+plus Debian's libibverbs1), against a real `mooncake_master`: two engines share uploads, skills and
+chunk KV (the second runs the vision tower 0 times), tenants stay apart, a delete reaches the other
+engine, a corrupted value is dropped and recomputed, and a master stopped mid-run degrades the
+tier (requests still answer) until it is back, without a restart."""
+
+from __future__ import annotations
+
+import importlib.abc
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import free_port, make_png
+from mmkv.cli import app
+from mmkv.engine import Engine
+from mmkv.errors import UnknownImageError, UnknownSkillError
+from mmkv.fingerprint import image_source_digest
+from mmkv.mooncake_tier import APT_FIX, MooncakeUnavailable, load_store_class
+from mmkv.tiers import StoreConfig
+
+QUESTION = "What colour is the rectangle?"
+SMALL = {"mooncake_segment_bytes": 64 << 20, "mooncake_buffer_bytes": 16 << 20}  # what each test engine lends
+
+
+def ask(image_id: str, skill_id: str | None = None) -> list[dict]:
+    parts = [{"type": "skill", "skill_id": skill_id}] if skill_id else []
+    parts += [{"type": "image_file", "image_file": {"file_id": image_id}}, {"type": "text", "text": QUESTION}]
+    return [{"role": "user", "content": parts}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_dirs):
+    return tiny_dirs["qwen2_5_vl"]
+
+
+# ---- start-up errors: always run ------------------------------------------------------------------
+class _Refuse(importlib.abc.MetaPathFinder):
+    """Makes `import mooncake...` fail the way a machine without the package or without libibverbs does."""
+
+    def __init__(self, error: ImportError):
+        self.error = error
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "mooncake" or name.startswith("mooncake."):
+            raise self.error
+        return None
+
+
+@pytest.fixture(params=["package missing", "libibverbs missing"])
+def broken_mooncake(request, monkeypatch):
+    if request.param == "package missing":
+        error, fix = ModuleNotFoundError("No module named 'mooncake'", name="mooncake"), "pip install 'mmkv[mooncake]'"
+    else:
+        error = ImportError("libibverbs.so.1: cannot open shared object file: No such file or directory")
+        fix = "apt-get install libibverbs1"
+    for name in [n for n in sys.modules if n == "mooncake" or n.startswith("mooncake.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_Refuse(error), *sys.meta_path])
+    return fix
+
+
+def test_unloadable_library_fails_at_start_up_with_the_fix(model_dir, tmp_path, broken_mooncake):
+    with pytest.raises(MooncakeUnavailable) as err:
+        load_store_class()
+    assert broken_mooncake in str(err.value)
+    with pytest.raises(MooncakeUnavailable, match="--mooncake-master"):
+        Engine.from_pretrained(model_dir, store_dir=tmp_path / "s", mooncake_master="127.0.0.1:1")
+    assert not (tmp_path / "s").exists()  # refused before the model loads or anything is written
+    result = CliRunner().invoke(app, ["serve", str(model_dir), "--mooncake-master", "127.0.0.1:1"])
+    assert result.exit_code == 2 and broken_mooncake in result.output, result.output
+
+
+def test_one_shared_store_at_a_time():
+    with pytest.raises(ValueError, match="pick one"):
+        StoreConfig(redis_url="redis://127.0.0.1:1/0", mooncake_master="127.0.0.1:2")
+    with pytest.raises(ValueError, match="needs --mooncake-master"):
+        StoreConfig(mooncake_metadata="http://127.0.0.1:1/metadata")
+
+
+# ---- against a real store, where the library loads ------------------------------------------------
+def _loads() -> str | None:
+    try:
+        load_store_class()
+    except MooncakeUnavailable as exc:
+        return str(exc)
+    return None
+
+
+needs_mooncake = pytest.mark.skipif(_loads() is not None, reason=f"Mooncake cannot load here: {_loads()}")
+
+
+class MooncakeMaster:
+    """A real mooncake_master with its HTTP metadata server, on free ports; stop() and start() keep them."""
+
+    def __init__(self):
+        self.rpc, self.http, self.metrics = free_port(), free_port(), free_port()
+        self.binary = shutil.which("mooncake_master", path=str(Path(sys.executable).parent)) or "mooncake_master"
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([self.binary, f"--rpc_port={self.rpc}", "--rpc_address=127.0.0.1",
+                                      "--enable_http_metadata_server=true", f"--http_metadata_server_port={self.http}",
+                                      "--http_metadata_server_host=127.0.0.1", f"--metrics_port={self.metrics}"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        for port in (self.rpc, self.http):
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), 0.2).close()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline and self.proc.poll() is None, "mooncake_master did not start"
+                    time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def engine(self, model_dir, **kw) -> Engine:
+        return Engine.from_pretrained(model_dir, mooncake_master=f"127.0.0.1:{self.rpc}",
+                                      mooncake_metadata=f"http://127.0.0.1:{self.http}/metadata", store_options=SMALL,
+                                      **kw)
+
+
+@pytest.fixture(scope="module")
+def master():
+    server = MooncakeMaster()
+    yield server
+    server.stop()
+
+
+@needs_mooncake
+def test_two_engines_share_uploads_skills_and_kv(model_dir, tmp_path, master):
+    a = master.engine(model_dir, store_dir=tmp_path / "a")
+    b = master.engine(model_dir, store_dir=tmp_path / "b")
+    try:
+        image_id = a.add_image(make_png(64, 48), tenant="t1")
+        skill_id = a.add_skill("brief", "Answer in one word.", tenant="t1")
+        on_a = a.generate(ask(image_id, skill_id), max_new_tokens=4, tenant="t1")
+        a.tiers.flush()  # the chunks reach the store in the background
+        on_b = b.generate(ask(image_id, skill_id), max_new_tokens=4, tenant="t1")
+        stats = b.stats()
+        assert on_b.vision_tower_runs == 0 and stats["vision_tower_runs"] == 0
+        assert stats["mooncake_hits"] == 2 and stats["mooncake_corrupt"] == 0 and stats["mooncake_up"] == 1
+        assert on_b.image_tokens_reused == on_a.image_tokens_reused > 0 and on_b.text == on_a.text
+        torch.testing.assert_close(on_b.first_logits, on_a.first_logits, atol=1e-6, rtol=0)
+        assert [s.skill_id for s in b.list_skills("t1")] == [skill_id]
+        with pytest.raises(UnknownImageError):  # another tenant
+            b.generate(ask(image_id), max_new_tokens=1, tenant="t2")
+        assert b.list_skills("t2") == []
+        # a delete on A purges the store; B drops its own copies on its next reference
+        a.remove_image(image_id, tenant="t1")
+        a.remove_skill(skill_id, tenant="t1")
+        with pytest.raises(UnknownImageError):
+            b.generate(ask(image_id), max_new_tokens=1, tenant="t1")
+        with pytest.raises(UnknownSkillError):
+            b.skill_info(skill_id, tenant="t1")
+    finally:
+        a.close()
+        b.close()
+
+
+@needs_mooncake
+def test_corrupt_value_is_dropped_and_recomputed(model_dir, master):
+    a, b = master.engine(model_dir), master.engine(model_dir)
+    try:
+        image_id = a.add_image(make_png(64, 48, seed=2))
+        reference = a.generate(ask(image_id), max_new_tokens=3)
+        a.tiers.flush()
+        shared = a.tiers.shared
+        key = shared.key("kv", a._durable_key("image", image_source_digest(a._images[("", image_id)].source), ""))
+        value = bytearray(shared._get(key))
+        value[-50] ^= 0x10
+        shared._set(key, bytes(value))
+        got = b.generate(ask(image_id), max_new_tokens=3)
+        assert b.stats()["mooncake_corrupt"] == 1 and got.vision_tower_runs == 1
+        torch.testing.assert_close(got.first_logits, reference.first_logits, atol=1e-5, rtol=0)
+        b.tiers.flush()
+        assert shared._get(key) != bytes(value)  # the recomputed chunk replaced it
+    finally:
+        a.close()
+        b.close()
+
+
+@needs_mooncake
+def test_master_down_then_back(model_dir, master):
+    """Requests answer while the master is down (the tier says degraded); once it is back the
+    engine uses it again without a restart."""
+    engine = master.engine(model_dir)
+    try:
+        assert engine.tiers.shared.check()
+        master.stop()
+        deadline = time.monotonic() + 30
+        while engine.tiers.shared.check():  # the client's heartbeat notices within seconds
+            assert time.monotonic() < deadline, "the Mooncake client did not notice the master stopped"
+            time.sleep(0.2)
+        image_id = engine.add_image(make_png(64, 48, seed=5))
+        got = engine.generate(ask(image_id), max_new_tokens=2)
+        assert got.finish_reason in ("stop", "length") and got.vision_tower_runs == 0  # computed at upload
+        stats = engine.stats()
+        assert stats["mooncake_up"] == 0 and stats["mooncake_errors"] >= 1
+        master.start()
+        deadline = time.monotonic() + 30
+        while not engine.tiers.shared.check():
+            assert time.monotonic() < deadline, "the Mooncake client did not reconnect"
+            time.sleep(0.5)
+        before = engine.stats()["mooncake_writes"]
+        engine.add_image(make_png(64, 48, seed=6))
+        engine.tiers.flush()
+        assert engine.stats()["mooncake_writes"] == before + 1 and engine.stats()["mooncake_up"] == 1
+    finally:
+        engine.close()
+        if master.proc.poll() is not None:
+            master.start()

@@ -1,0 +1,135 @@
+"""The background writer of the lower tiers (issue 14): a request's answer never waits for a tier
+write; a write still lands (flush, then a new engine on the store reads it back); a failing write
+is counted and never fails a request; the queue's byte bound holds, with writes past it dropped
+and counted, never waited for; a delete takes back a queued write so it cannot bring the chunk back."""
+
+from __future__ import annotations
+
+import base64
+import threading
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import mmkv.tiers
+from conftest import make_png
+from mmkv.engine import Engine
+from mmkv.tier_writer import TierWriter
+
+QUESTION = "What colour is the rectangle?"
+
+
+def ask(image_id: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_file", "image_file": {"file_id": image_id}},
+                                         {"type": "text", "text": QUESTION}]}]
+
+
+def inline(seed: int) -> list[dict]:
+    url = "data:image/png;base64," + base64.b64encode(make_png(40, 40, seed=seed)).decode()
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": QUESTION}]}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_dirs):
+    return tiny_dirs["qwen2_5_vl"]
+
+
+class Gate:
+    """A write function that blocks until opened, recording what it was asked to write."""
+
+    def __init__(self, write=None):
+        self.open, self.started, self.keys, self.write = threading.Event(), threading.Event(), [], write
+
+    def __call__(self, key, chunk):
+        self.started.set()
+        assert self.open.wait(60), "the gate was never opened"
+        self.keys.append(key)
+        if self.write is not None:
+            self.write(key, chunk)
+
+
+@dataclass
+class Sized:
+    nbytes: int
+
+
+def test_answer_does_not_wait_and_the_write_lands(model_dir, tmp_path):
+    engine = Engine.from_pretrained(model_dir, store_dir=tmp_path)
+    gate = Gate(engine.tiers.writer._write)
+    engine.tiers.writer._write = gate
+    got = engine.generate(inline(1), max_new_tokens=2)  # a first-time image: precompiled, queued
+    assert got.vision_tower_runs == 1 and got.finish_reason in ("stop", "length")
+    assert gate.started.wait(30) and gate.keys == []  # answered while its write was still held
+    assert engine.stats()["disk_writes"] == 0
+    gate.open.set()
+    engine.close()  # flushes
+    assert engine.stats()["disk_writes"] == 1 and engine.stats()["tier_writes_dropped"] == 0
+    again = Engine.from_pretrained(model_dir, store_dir=tmp_path)
+    try:
+        hit = again.generate(inline(1), max_new_tokens=2)
+        assert hit.vision_tower_runs == 0 and again.stats()["disk_hits"] == 1
+        torch.testing.assert_close(hit.first_logits, got.first_logits, atol=1e-6, rtol=0)
+    finally:
+        again.close()
+
+
+def test_failing_write_never_fails_the_request(model_dir, tmp_path, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("disk on fire")
+    monkeypatch.setattr(mmkv.tiers, "encode_chunk", broken)
+    engine = Engine.from_pretrained(model_dir, store_dir=tmp_path)
+    try:
+        image_id = engine.add_image(make_png(64, 48))
+        got = engine.generate(ask(image_id), max_new_tokens=2)
+        engine.tiers.flush()
+        stats = engine.stats()
+        assert got.finish_reason in ("stop", "length") and stats["tier_writes_failed"] == 1
+        assert stats["disk_writes"] == 0 and stats["disk_entries"] == 0
+    finally:
+        engine.close()
+
+
+def test_queue_bound_drops_and_counts_never_blocks():
+    gate = Gate()
+    writer = TierWriter(gate, bound_bytes=100)
+    assert writer.submit("a", Sized(60))
+    assert gate.started.wait(10)  # "a" is in flight: it no longer counts against the bound
+    accepted = [writer.submit(k, Sized(40)) for k in "bcd"]  # b, c fit (80); d would make 120
+    assert accepted == [True, True, False] and writer.dropped == 1 and writer.pending_bytes == 80
+    assert not writer.submit("e", Sized(101))  # larger than the bound: never fits
+    assert writer.submit("b", Sized(40))  # already queued: not twice
+    gate.open.set()
+    assert writer.flush(30)
+    assert gate.keys == ["a", "b", "c"] and writer.written == 3 and writer.dropped == 2
+    assert writer.peak_bytes <= 100 and writer.pending_bytes == 0
+    writer.close()
+    assert not writer.submit("f", Sized(1)) and writer.dropped == 3  # closed: refused, counted
+
+
+def test_cancel_takes_back_a_queued_write_and_waits_for_one_in_flight():
+    gate = Gate()
+    writer = TierWriter(gate, bound_bytes=1000)
+    writer.submit("a", Sized(10))
+    assert gate.started.wait(10)
+    writer.submit("b", Sized(10))
+    writer.cancel("b")  # queued: taken back, never written
+    threading.Timer(0.2, gate.open.set).start()
+    writer.cancel("a")  # in flight: returns only once it is written
+    assert gate.keys == ["a"]
+    assert writer.flush(30) and gate.keys == ["a"] and writer.pending_bytes == 0
+
+
+def test_delete_while_queued_leaves_nothing(model_dir, tmp_path):
+    engine = Engine.from_pretrained(model_dir, store_dir=tmp_path)
+    gate = Gate(engine.tiers.writer._write)
+    engine.tiers.writer._write = gate
+    image_id = engine.add_image(make_png(64, 48))
+    engine.add_image(make_png(48, 64, seed=3))  # queued behind the first
+    assert gate.started.wait(30)
+    threading.Timer(0.2, gate.open.set).start()
+    engine.remove_image(image_id)
+    engine.close()
+    assert len(list((tmp_path / "kv").glob("*/*.safetensors"))) == 1  # only the second image's KV
+    assert engine.stats()["disk_entries"] == 1
