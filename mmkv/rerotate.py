@@ -6,11 +6,15 @@ The rotate-half layout pairs channel i with channel i + head_dim/2.
 
 A moved chunk changes every token's position by the same amount per axis, so its rotation is
 one cos/sin vector ([head_dim]), not a per-token table: `rotate_into` applies it
-straight into a slice of a preallocated cache at about copy speed.
+straight into a slice of a preallocated cache at about copy speed. On CPU that is one fused
+pass (a small numba kernel: each key read once, each output written once); elementwise torch
+ops need three passes over the keys (`rotate_into_torch`, also the path for other devices).
 """
 
 from __future__ import annotations
 
+import numba
+import numpy as np
 import torch
 
 from mmkv.adapters import RopeLayout
@@ -43,11 +47,23 @@ def rotation(delta: tuple[int, int, int], rope: RopeLayout) -> tuple[torch.Tenso
 
 def rotate_into(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Write `keys` [..., L, D] turned by `rotation`'s (cos, signed sin) [D] into `out` (same
-    shape; typically a slice of a preallocated cache): out = k cos + rotate_half(k) sin, in three
-    elementwise passes and no temporaries. Float32 keys rotate directly; other dtypes rotate in
-    float32 and are cast back once."""
+    shape; typically a slice of a preallocated cache): out = k cos + rotate_half(k) sin, with no
+    temporaries. Float32 keys on CPU with contiguous rows (a cache slice, a chunk's slice) go
+    through the fused kernel, one pass; anything else through `rotate_into_torch`."""
+    flat = _flat_rows(out, keys) if keys.dtype == out.dtype == torch.float32 else None
+    if flat is None:
+        return rotate_into_torch(out, keys, cos, sin)
+    (o, o_head, o_row), (k, k_head, k_row), heads = flat
+    _rotate_rows(o, o_head, o_row, k, k_head, k_row, heads, keys.shape[-2], keys.shape[-1],
+                 cos.cpu().numpy(), sin.cpu().numpy())
+    return out
+
+
+def rotate_into_torch(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotate_into` in three elementwise torch passes (any device). Float32 keys rotate
+    directly; other dtypes rotate in float32 and are cast back once."""
     if keys.dtype != torch.float32:
-        out.copy_(rotate_into(torch.empty(keys.shape, device=keys.device), keys.float(), cos, sin))
+        out.copy_(rotate_into_torch(torch.empty(keys.shape, device=keys.device), keys.float(), cos, sin))
         return out
     cos, sin = cos.to(keys.device), sin.to(keys.device)
     half = keys.shape[-1] // 2
@@ -55,6 +71,45 @@ def rotate_into(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: t
     out[..., :half].addcmul_(keys[..., half:], sin[:half])  # x1 cos - x2 sin
     out[..., half:].addcmul_(keys[..., :half], sin[half:])  # x2 cos + x1 sin
     return out
+
+
+def _flat_rows(out: torch.Tensor, keys: torch.Tensor):
+    """Each of `out` and `keys` [..., L, D] as (1-D float32 array over its memory, stride of the
+    flattened leading dim, row stride), and the leading size: what the kernel indexes. None unless
+    both are CPU tensors whose rows are contiguous and whose leading dims flatten to one."""
+    if out.shape != keys.shape or keys.dim() < 2 or out.device.type != "cpu" or keys.device.type != "cpu":
+        return None
+    views = []
+    for t in (out, keys):
+        if t.dim() != 3:
+            try:
+                t = t.view(-1, *t.shape[-2:])  # a view: a copy would be written in vain
+            except RuntimeError:
+                return None
+        heads, rows, dim = t.shape
+        s_head, s_row, s_col = t.stride()
+        if s_col != 1 or t.requires_grad or not t.numel():
+            return None
+        span = (heads - 1) * s_head + (rows - 1) * s_row + dim
+        views.append((torch.as_strided(t, (span,), (1,), t.storage_offset()).numpy(), s_head, s_row))
+    return views[0], views[1], t.shape[0]
+
+
+@numba.njit(nogil=True, cache=True)
+def _rotate_rows(out, o_head, o_row, keys, k_head, k_row, heads, rows, dim, cos, sin):  # pragma: no cover - JIT
+    """out = keys cos + rotate_half(keys) sin, row by row (rows of `dim` contiguous float32 at
+    head * stride + row * stride in the flat arrays; sin signed as `rotation` lays it out): each
+    key read once, each output written once. Row slices keep the inner loop's indices
+    non-negative, so it vectorises."""
+    half = dim // 2
+    for h in range(heads):
+        for r in range(rows):
+            o, k = h * o_head + r * o_row, h * k_head + r * k_row
+            dst, src = out[o:o + dim], keys[k:k + dim]
+            for i in range(half):
+                x1, x2 = src[i], src[i + half]
+                dst[i] = x1 * cos[i] + x2 * sin[i]
+                dst[i + half] = x2 * cos[i + half] + x1 * sin[i + half]
 
 
 def reposition_keys(keys: torch.Tensor, from_pos: torch.Tensor, to_pos: torch.Tensor, rope: RopeLayout) -> torch.Tensor:

@@ -114,3 +114,53 @@ def test_non_composable_rope_is_refused(tmp_path, rope):
     d = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "m", text={"rope_parameters": params})
     with pytest.raises(RopeNotComposableError, match="does not compose"):
         load_adapter(d, dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.parametrize("shape,at", [((2, 37, 16), 5), ((1, 2, 300, 128), 11)])
+@pytest.mark.parametrize("delta", [(1, 1, 1), (-9, 4, 700), (4000, 4000, 4000)])
+def test_fused_rotate_into_equals_the_three_pass_version_and_a_float64_rotation(adapters, shape, at, delta):
+    """The one-pass CPU kernel writes into a slice of a larger cache (as the splice does) what the
+    elementwise torch version writes, and both match the rotation done in float64."""
+    from mmkv.rerotate import _flat_rows, rotate_half, rotate_into, rotate_into_torch, rotation
+
+    torch.manual_seed(0)
+    *lead, n, d = shape
+    head_dim = adapters["qwen2_5_vl"].rope.inv_freq.numel() * 2
+    rope = adapters["qwen2_5_vl"].rope if d == head_dim else _rope_of(d)
+    keys = torch.randn(*lead, n, d)
+    cache = torch.full((*lead, n + at + 3, d), float("nan"))
+    fused, three = cache[..., at:at + n, :], cache.clone()[..., at:at + n, :]
+    assert _flat_rows(fused, keys) is not None  # the kernel's path, not the fallback
+    cos, sin = rotation(delta, rope)
+    rotate_into(fused, keys, cos, sin)
+    rotate_into_torch(three, keys, cos, sin)
+    angles = torch.tensor(delta, dtype=torch.float64)[rope.axis_of_freq] * rope.inv_freq.double()
+    c, s = torch.cat((angles.cos(), angles.cos())), torch.cat((angles.sin(), angles.sin()))
+    exact = keys.double() * c + rotate_half(keys.double()) * s
+    assert (fused.double() - exact).abs().max().item() <= 1e-6 * keys.abs().max().item()
+    assert (fused - three).abs().max().item() <= 1e-6
+    assert cache[..., :at, :].isnan().all() and cache[..., at + n:, :].isnan().all()  # nothing outside the slice
+
+
+def _rope_of(d: int):
+    from mmkv.adapters import RopeLayout
+
+    half = d // 2
+    inv = 1.0 / (100.0 ** (torch.arange(half, dtype=torch.float32) / half))
+    return RopeLayout(inv, torch.tensor([0, 0, 1, 1, 1, 2, 2, 2] * (half // 8)), "sectioned")
+
+
+def test_rotate_into_falls_back_where_the_kernel_does_not_apply(adapters):
+    """Strided rows or another dtype take the torch path, with the same result."""
+    from mmkv.rerotate import _flat_rows, rotate_into, rotate_into_torch, rotation
+
+    rope = adapters["qwen2_5_vl"].rope
+    d = rope.inv_freq.numel() * 2
+    cos, sin = rotation((3, 3, 3), rope)
+    keys = torch.randn(2, d, 9).transpose(-1, -2)  # [2, 9, d], rows not contiguous
+    assert _flat_rows(torch.empty(2, 9, d), keys) is None
+    torch.testing.assert_close(rotate_into(torch.empty(2, 9, d), keys, cos, sin),
+                               rotate_into_torch(torch.empty(2, 9, d), keys, cos, sin), atol=1e-6, rtol=0)
+    half = torch.randn(2, 9, d, dtype=torch.bfloat16)
+    got = rotate_into(torch.empty_like(half), half, cos, sin)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, rotate_into_torch(torch.empty_like(half), half, cos, sin))
