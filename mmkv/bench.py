@@ -17,6 +17,10 @@ Arms, each timed up to the turn's next-token logits:
 - text-only turn: the same number of new tokens after a text context of the same length, served
   the same way (prefix KV copied in, one forward);
 - limit: one forward of exactly the splice's new tokens over KV already in place (nothing copied).
+
+The agent mode replays a seeded multi-turn session (new screenshots, earlier ones shown again,
+a spliced skill, errata) and sums each arm's TTFT over its turns: full recompute, exact-prefix
+caching, mmkv.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Annotated
 
 import typer
 
-MODES = ("image", "skill", "errata", "copy", "bytes")
+MODES = ("image", "skill", "errata", "agent", "copy", "bytes")
 CONFIGS = ("bench", "tiny", "qwen2.5-vl-7b", "qwen3-vl-8b")
 
 
@@ -60,10 +64,27 @@ def format_table(t: dict) -> str:
 
 def format_copy(rows: list[dict]) -> str:
     lines = ["### splice copy vs plain clone of the same bytes (GB per CPU-second)",
-             "| chunk | MB | splice GB/s | clone GB/s | splice / clone |",
-             "|---|---|---|---|---|"]
+             "| chunk | MB | splice GB/s | clone GB/s | splice / clone | before: three torch passes GB/s | before / clone |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['chunk']} | {r['bytes'] / 1e6:.1f} | {r['splice_gb_s']:.1f} | {r['clone_gb_s']:.1f} | "
-              f"{100 * r['ratio']:.0f}% |" for r in rows]
+              f"{100 * r['ratio']:.0f}% | {r['before_gb_s']:.1f} | {100 * r['before_ratio']:.0f}% |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def format_agent(a: dict) -> str:
+    last = a["sessions"][-1]
+    lines = [f"### agent: {a['turns']} turns, seed {a['seed']}, screenshots of {a['image_tokens']} tokens, "
+             f"{a['skill_tokens']}-token skill (final prompt {last[-1]['prompt_tokens']} tokens; cumulative over the "
+             f"turns, median of {a['repeats']} sessions)",
+             "| arm | cumulative TTFT ms | CPU ms | speed-up vs full | LM tokens computed | vision runs | tokens reused |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['arm']} | {r['ms']:.1f} | {r['cpu_ms']:.1f} | {r['speedup_vs_full']:.2f}x | {r['computed_tokens']} | "
+              f"{r['vision_runs']} | {r['reused_tokens']} |" for r in a["summary"]]
+    lines += ["", "| turn | what the turn adds | prompt tokens | full ms | exact-prefix ms | mmkv ms | "
+                  "mmkv tokens reused (plan) |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {t['turn']} | {t['events']} | {t['prompt_tokens']} | {t['arms']['full recompute']['ms']:.0f} | "
+              f"{t['arms']['exact-prefix caching']['ms']:.0f} | {t['arms']['mmkv']['ms']:.0f} | "
+              f"{t['arms']['mmkv']['reused_tokens']} ({t['mmkv_expected_reused']}) |" for t in last]
     return "\n".join(lines) + "\n"
 
 
@@ -75,7 +96,8 @@ def format_bytes(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-FORMATS = {"header": format_header, "table": format_table, "copy": lambda f: format_copy(f["rows"]),
+FORMATS = {"header": format_header, "table": format_table, "agent": format_agent,
+           "copy": lambda f: format_copy(f["rows"]),
            "bytes": lambda f: format_bytes(f["rows"])}
 
 
@@ -100,6 +122,8 @@ def bench_command(
     skill_tokens: Annotated[str, typer.Option(help="Skill sizes, in tokens.")] = "1024,2048,4096",
     policy_tokens: Annotated[int, typer.Option(help="errata: the policy's length in tokens.")] = 2048,
     turns: Annotated[int, typer.Option(help="errata: turns of the agent loop (the first is not counted).")] = 6,
+    agent_turns: Annotated[int, typer.Option(help="agent: turns of the seeded session.")] = 8,
+    seed: Annotated[int, typer.Option(help="agent: the session's seed.")] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write every figure to this file.")] = None,
 ) -> None:
     """Where a turn's time goes: full recompute, prefix caching, encoder cache, mmkv splice, the limit."""
@@ -107,8 +131,8 @@ def bench_command(
     if unknown := [m for m in chosen if m not in MODES]:
         raise typer.BadParameter(f"unknown {', '.join(unknown)}; expected some of {', '.join(MODES)}",
                                  param_hint="--modes")
-    if threads < 1 or repeats < 1 or turns < 2:
-        raise typer.BadParameter("--threads and --repeats must be >= 1, --turns >= 2")
+    if threads < 1 or repeats < 1 or turns < 2 or agent_turns < 3:
+        raise typer.BadParameter("--threads and --repeats must be >= 1, --turns >= 2, --agent-turns >= 3")
     if config not in CONFIGS:
         raise typer.BadParameter(f"expected one of {', '.join(CONFIGS)}", param_hint="--config")
     images, skills = _ints(image_tokens, "--image-tokens"), _ints(skill_tokens, "--skill-tokens")
@@ -125,7 +149,7 @@ def bench_command(
     try:
         engine = build_engine(config, model_dir, device, dtype, max(images, default=256))
         report = run_bench(engine, chosen, repeats, threads, images, skills, policy_tokens, turns,
-                           lambda kind, figures: typer.echo(FORMATS[kind](figures)))
+                           lambda kind, figures: typer.echo(FORMATS[kind](figures)), agent_turns, seed)
     except (BenchError, MMKVError) as exc:
         typer.echo(f"mmkv bench: {getattr(exc, 'message', None) or exc}", err=True)
         raise typer.Exit(code=2) from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -309,12 +310,13 @@ def chunk_arms(engine, messages: Callable[[int], list], text: TextContext, visio
 
 
 # ---- modes ------------------------------------------------------------------------------------------
-def _picture(engine, tokens: int) -> bytes:
+def _picture(engine, tokens: int, variant: int = 0) -> bytes:
     """A square picture of `tokens` image tokens (a square number) for the engine's processor:
-    patch x merge pixels per token side (28 for Qwen2/2.5-VL, 32 for Qwen3-VL)."""
+    patch x merge pixels per token side (28 for Qwen2/2.5-VL, 32 for Qwen3-VL). Each `variant`
+    is another picture (another background)."""
     ip = engine.adapter.processor.image_processor
     px = int(round(tokens**0.5)) * ip.patch_size * ip.merge_size
-    img = Image.new("RGB", (px, px), (90, 120, 150))
+    img = Image.new("RGB", (px, px), (90 + 17 * variant % 160, 120, 150 - 7 * variant % 100))
     draw = ImageDraw.Draw(img)
     for i in range(0, px, 32):
         draw.rectangle([i, i // 2, i + 20, i // 2 + 20], fill=(i % 255, 200, 40))
@@ -356,9 +358,7 @@ SKILL_SENTENCE = "tool search ( query , top_k ) returns ranked documents . "
 
 
 def bench_skill(engine, tokens: int, repeats: int, text: TextContext) -> Table:
-    body = _text_of(engine.adapter.tokenizer, tokens, SKILL_SENTENCE)
-    tenant = f"skill-{tokens}"
-    skill_id = engine.add_skill("spec", body, tenant=tenant)
+    skill_id, tenant = _skill(engine, tokens)
 
     def messages(k: int):
         return [{"role": "system", "content": [{"type": "text", "text": f"user {k} prefers short answers .\n"},
@@ -410,9 +410,14 @@ def bench_errata(engine, policy_tokens: int, turns: int, text: TextContext) -> T
     return finish(table, "full recompute", "limit")
 
 
+SPLICE, BEFORE, CLONE = "splice copy (rotate into slots)", "splice copy, three torch passes (before)", "plain clone"
+
+
 def bench_copy(engine, entries: list, repeats: int) -> list[dict]:
     """GB/s of placing a cached chunk's KV (keys rotated by a constant position change, values
-    copied) into a preallocated cache, against a plain clone of the same tensors."""
+    copied) into a preallocated cache, against a plain clone of the same tensors; the placement
+    also with the earlier three-pass elementwise rotation (`rotate_into_torch`), in the same run."""
+    from mmkv.rerotate import rotate_into_torch, rotation
     from mmkv.splice import Placement, place_chunk, preallocate
 
     ad = engine.adapter
@@ -422,9 +427,16 @@ def bench_copy(engine, entries: list, repeats: int) -> list[dict]:
         placement = Placement(7, entry, entry.position_ids + 37)
         layers = preallocate(ad, ad.new_cache(), 0, n + 7)
         nbytes = sum(t.numel() * t.element_size() for t in (*entry.keys, *entry.values))
+        turn = rotation((37, 37, 37), ad.rope)
 
         def splice():
             place_chunk(layers, placement, 0, n, ad.rope)
+            return n
+
+        def before():
+            for layer, k, v in zip(layers, entry.keys, entry.values):
+                rotate_into_torch(layer.keys[0, :, 7:7 + n], k, *turn)
+                layer.values[0, :, 7:7 + n].copy_(v)
             return n
 
         def clone():
@@ -437,16 +449,15 @@ def bench_copy(engine, entries: list, repeats: int) -> list[dict]:
         def many(fn):
             return timed(lambda: [fn() for _ in range(inner)][-1])
 
-        rows = interleave([Arm("splice copy (rotate into slots)", many(splice)), Arm("plain clone", many(clone))],
-                          repeats)
+        rows = interleave([Arm(SPLICE, many(splice)), Arm(BEFORE, many(before)), Arm(CLONE, many(clone))], repeats)
         gbs = {r.arm: nbytes * inner / (r.cpu_ms / 1e3) / 1e9 for r in rows}  # per CPU-second
-        out.append({"chunk": f"{entry.kind}, {n} tokens", "bytes": nbytes,
-                    "splice_gb_s": gbs["splice copy (rotate into slots)"], "clone_gb_s": gbs["plain clone"],
-                    "ratio": gbs["splice copy (rotate into slots)"] / gbs["plain clone"]})
+        out.append({"chunk": f"{entry.kind}, {n} tokens", "bytes": nbytes, "splice_gb_s": gbs[SPLICE],
+                    "before_gb_s": gbs[BEFORE], "clone_gb_s": gbs[CLONE], "ratio": gbs[SPLICE] / gbs[CLONE],
+                    "before_ratio": gbs[BEFORE] / gbs[CLONE]})
     return out
 
 
-def bench_bytes(engine, entries: list) -> list[dict]:
+def bench_bytes(engine, entries: list, skill_tokens: list[int]) -> list[dict]:
     """Bytes per cached token, chunks and prefix blocks, against 2 x layers x kv_heads x head_dim x dtype."""
     text = engine.adapter.text_config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -466,7 +477,225 @@ def bench_bytes(engine, entries: list) -> list[dict]:
         out.append({"what": f"prefix blocks, {blocks} x {BLOCK} tokens (text turn)",
                     "kv_bytes_per_token": stored / (blocks * BLOCK), "stored_bytes_per_token": stored / (blocks * BLOCK),
                     "ideal_bytes_per_token": ideal})
+    for n in skill_tokens[:1]:  # blocks inside a spliced skill reference its KV: they add no KV bytes
+        skill_id, tenant = _skill(engine, n)
+        before = engine.stats()
+        engine.generate([{"role": "system", "content": [{"type": "text", "text": "bytes check .\n"},
+                                                        {"type": "skill", "skill_id": skill_id}]},
+                         {"role": "user", "content": "?"}], max_new_tokens=1, tenant=tenant)
+        after = engine.stats()
+        blocks = after["prefix_blocks"] - before["prefix_blocks"]
+        stored = after["cache_bytes"] - before["cache_bytes"]
+        out.append({"what": f"prefix blocks, {blocks} x {BLOCK} tokens (a turn splicing the {n}-token skill: "
+                            "blocks inside it reference it)", "kv_bytes_per_token": ideal,
+                    "stored_bytes_per_token": stored / (blocks * BLOCK), "ideal_bytes_per_token": ideal})
     return out
+
+
+def _skill(engine, tokens: int) -> tuple[str, str]:
+    """The skill of about `tokens` tokens the skill cases use, and its tenant (added once)."""
+    tenant = f"skill-{tokens}"
+    return engine.add_skill("spec", _text_of(engine.adapter.tokenizer, tokens, SKILL_SENTENCE), tenant=tenant), tenant
+
+
+# ---- agent trajectory ------------------------------------------------------------------------------
+@dataclass
+class AgentTurn:
+    """What one turn of the seeded session adds (the client resends the whole history each turn)."""
+
+    new_screenshot: int | None  # index of the screenshot first shown in this turn
+    shown_again: list[int]  # earlier screenshots attached again, at this turn's new position
+    erratum: str | None  # the status field's new value, appended as a state_update part
+
+    def events(self) -> str:
+        parts = ([f"new screenshot {self.new_screenshot}"] if self.new_screenshot is not None else []) + \
+            [f"screenshot {i} again" for i in self.shown_again] + ([f"erratum {self.erratum}"] if self.erratum else [])
+        return ", ".join(parts) or "text only"
+
+
+def agent_script(turns: int, seed: int) -> list[AgentTurn]:
+    """A seeded session like the paper's unified agent: a new screenshot most turns (always the
+    first), an earlier one attached again on about half of them (always turn 2), the status field
+    changed by an erratum on about a third (always turn 3)."""
+    rng = random.Random(seed)
+    script, shown = [], 0
+    for t in range(turns):
+        new = shown if t == 0 or rng.random() < 0.75 else None
+        again = [rng.randrange(shown)] if shown and (t == 1 or rng.random() < 0.5) else []
+        erratum = f"{rng.choice(('pending', 'shipped', 'delivered'))}-{t}" if t == 2 or (t and rng.random() < 0.35) \
+            else None
+        script.append(AgentTurn(new, again, erratum))
+        shown += new is not None
+    return script
+
+
+def agent_messages(script: list[AgentTurn], upto: int, skill_id: str, file_ids: list[str]) -> list[dict]:
+    """The request of turn `upto`: the system prompt (status field, spliced skill) and every turn so far."""
+    msgs = [{"role": "system", "content": [{"type": "text", "text": "order_status: pending\n"},
+                                           {"type": "skill", "skill_id": skill_id}]}]
+    for u, turn in enumerate(script[:upto + 1]):
+        parts = [{"type": "state_update", "field": "order_status", "value": turn.erratum}] if turn.erratum else []
+        if turn.new_screenshot is not None:
+            parts.append({"type": "image_file", "image_file": {"file_id": file_ids[turn.new_screenshot]}})
+        parts.append({"type": "text", "text": f"step {u} : what changed on the screen ?"})
+        for i in turn.shown_again:
+            parts += [{"type": "text", "text": "compare with this earlier screen :"},
+                      {"type": "image_file", "image_file": {"file_id": file_ids[i]}}]
+        msgs.append({"role": "user", "content": parts})
+        if u < upto:
+            msgs.append({"role": "assistant", "content": f"clicked the button of step {u} ."})
+    return msgs
+
+
+class PrefixCacheArm:
+    """Exact-prefix caching as vLLM / SGLang automatic prefix caching does it, at the mechanism
+    level: whole blocks of the longest common prefix (token ids and image identities) with any
+    earlier prompt of the session, their KV copied in; every image with a pad after that decoded,
+    preprocessed and run through the vision tower; the rest prefilled at native positions. With
+    `keep=False` nothing is kept: the full recompute."""
+
+    def __init__(self, adapter, pngs: list[bytes], keep: bool):
+        self.adapter, self.pngs, self.keep = adapter, pngs, keep
+        self.kept: list[tuple[list, object]] = []  # (token keys, the prompt's KV)
+
+    def turn(self, ids: torch.Tensor, positions: torch.Tensor, keys: list, images: list[int]) -> dict:
+        """`keys` per token (id, screenshot index or None); `images` the screenshot of each image
+        span, in order. Times the turn to its next-token logits."""
+        from mmkv.adapters import ImageFeatures
+
+        ad = self.adapter
+        _sync()
+        t0, c0 = time.perf_counter(), time.process_time()
+        hit = max((_common_prefix(k, keys) for k, _ in self.kept), default=0)
+        hit = min(hit, ids.numel() - 1) // BLOCK * BLOCK
+        cache = ad.new_cache()
+        if hit:
+            source = next(c for k, c in self.kept if _common_prefix(k, keys) >= hit)
+            for i, layer in enumerate(source.layers):
+                cache.update(layer.keys[:, :, :hit], layer.values[:, :, :hit], i)
+        feats, runs = [], 0
+        for (start, end), image in zip(ad.image_spans(ids), images):
+            first_pad, stop = start + 1, end - 1
+            if stop > hit:  # pads after the hit are prefilled: their features are needed
+                rgb = Image.open(io.BytesIO(self.pngs[image])).convert("RGB")
+                f = ad.encode_image(*ad.preprocess_image(rgb))
+                feats.append(f.slice(max(hit - first_pad, 0), stop - first_pad))
+                runs += 1
+        ad.forward(ids[hit:], positions[:, hit:], cache, ImageFeatures.concat(feats))
+        _sync()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if self.keep:
+            self.kept.append((keys, cache))
+        return {"ms": wall * 1e3, "cpu_ms": cpu * 1e3, "computed_tokens": ids.numel() - hit, "vision_runs": runs,
+                "reused_tokens": hit}
+
+
+def _common_prefix(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, skill_tokens: int) -> dict:
+    """Cumulative TTFT over a seeded agent session (`agent_script`), three arms interleaved turn by
+    turn, each session `repeats` times with fresh caches: full recompute and exact-prefix caching
+    (mechanism level, PrefixCacheArm) and mmkv (`Engine.generate` end to end; a new screenshot is
+    uploaded in its turn, `add_image` timed as part of that turn). Every arm is first served one
+    turn of an earlier session (the shared system prompt, untimed), as a server would have been.
+    Each mmkv turn's reused tokens are checked against what the plan says: the longest block
+    prefix of an earlier prompt, plus the spliced chunks after it (all but each seam token)."""
+    from mmkv.engine import image_id_for
+    from mmkv.splice import splice_layout
+
+    ad = engine.adapter
+    script = agent_script(turns, seed)
+    shots = sum(t.new_screenshot is not None for t in script)
+    pngs = [_picture(engine, image_tokens, variant=i) for i in range(shots)]
+    file_ids = [image_id_for(engine.prepare_image(png).content_hash) for png in pngs]
+    skill_id, skill_tenant = _skill(engine, skill_tokens)
+    plan_tenant = f"agent-plan-{seed}"  # the prompts' ids and positions, untimed, under their own tenant
+    engine.add_skill("spec", _text_of(ad.tokenizer, skill_tokens, SKILL_SENTENCE), tenant=plan_tenant)
+    for png in pngs:
+        engine.add_image(png, tenant=plan_tenant)
+    arms = ("full recompute", "exact-prefix caching", "mmkv")
+    sessions = []
+    for r in range(repeats):
+        tenant = f"agent-{seed}-{r}"
+        engine.add_skill("spec", _text_of(ad.tokenizer, skill_tokens, SKILL_SENTENCE), tenant=tenant)
+        full, prefix = PrefixCacheArm(ad, pngs, keep=False), PrefixCacheArm(ad, pngs, keep=True)
+        warm = [{"role": "system", "content": [{"type": "text", "text": "order_status: pending\n"},
+                                               {"type": "skill", "skill_id": skill_id}]},
+                {"role": "user", "content": "hello , a new session ."}]
+        engine.generate(warm, max_new_tokens=1, tenant=tenant)
+        ids, pos, keys, images = _agent_prompt(engine, warm, plan_tenant, [])
+        prefix.turn(ids, pos, keys, images)
+        history = [engine.splice_plan(warm, tenant=tenant)]
+        rows = []
+        for t, turn in enumerate(script):
+            msgs = agent_messages(script, t, skill_id, file_ids)
+            ids, pos, keys, images = _agent_prompt(engine, msgs, plan_tenant, file_ids)
+            got = {}
+            for arm in arms[t % 3:] + arms[:t % 3]:  # rotated so no arm always runs first
+                if arm == "mmkv":
+                    got[arm] = _mmkv_turn(engine, msgs, tenant, pngs[turn.new_screenshot]
+                                          if turn.new_screenshot is not None else None)
+                else:
+                    got[arm] = (full if arm == arms[0] else prefix).turn(ids, pos, keys, images)
+            plan = engine.splice_plan(msgs, tenant=tenant)
+            hit = max(_common_prefix(_chunk_token_keys(h), _chunk_token_keys(plan)) for h in history)
+            hit = min(hit, ids.numel() - 1) // BLOCK * BLOCK
+            spliced = sum(b - a for _, a, b in splice_layout(plan.placements, ids.numel(), hit, SEAM).reused)
+            history.append(plan)
+            rows.append({"turn": t + 1, "events": turn.events(), "prompt_tokens": int(ids.numel()),
+                         "arms": got, "mmkv_expected_reused": hit + spliced})
+        sessions.append(rows)
+    totals = {arm: {key: [sum(row["arms"][arm][key] for row in rows) for rows in sessions]
+                    for key in ("ms", "cpu_ms", "computed_tokens", "vision_runs", "reused_tokens")} for arm in arms}
+    summary = [{"arm": arm, "ms": statistics.median(totals[arm]["ms"]), "cpu_ms": statistics.median(totals[arm]["cpu_ms"]),
+                "computed_tokens": totals[arm]["computed_tokens"][-1], "vision_runs": totals[arm]["vision_runs"][-1],
+                "reused_tokens": totals[arm]["reused_tokens"][-1], "runs_ms": totals[arm]["ms"],
+                "runs_cpu_ms": totals[arm]["cpu_ms"]} for arm in arms]
+    for row in summary:
+        row["speedup_vs_full"] = summary[0]["cpu_ms"] / row["cpu_ms"]
+    return {"turns": turns, "seed": seed, "repeats": repeats, "image_tokens": image_tokens,
+            "skill_tokens": engine.skill_info(skill_id, tenant=skill_tenant).tokens,
+            "script": [asdict(t) for t in script], "summary": summary, "sessions": sessions}
+
+
+def _mmkv_turn(engine, msgs, tenant: str, new_png: bytes | None) -> dict:
+    """One mmkv turn: the new screenshot uploaded (vision tower, isolated prefill), then
+    `Engine.generate`; its time is the upload's plus the generation's TTFT."""
+    c0 = time.process_time()
+    before = engine.stats()["prefill_tokens"]
+    t0 = time.perf_counter()
+    if new_png is not None:
+        engine.add_image(new_png, tenant=tenant)
+    upload_s = time.perf_counter() - t0
+    precompiled = engine.stats()["prefill_tokens"] - before
+    r = engine.generate(msgs, max_new_tokens=1, tenant=tenant)
+    return {"ms": (upload_s + r.ttft_s) * 1e3, "cpu_ms": (time.process_time() - c0) * 1e3,
+            "computed_tokens": r.lm_tokens_computed + precompiled, "vision_runs": r.vision_tower_runs + int(bool(new_png)),
+            "reused_tokens": r.usage.cached_tokens}
+
+
+def _chunk_token_keys(plan) -> list[tuple[int, str | None]]:
+    """Per token (id, the chunk it was spliced from): what the engine's prefix-cache keys hash."""
+    return list(zip(plan.input_ids.tolist(), plan.chunk_keys))
+
+
+def _agent_prompt(engine, msgs, tenant: str, file_ids: list[str]):
+    """Token ids, native positions, per-token keys (id, screenshot index or None) and the
+    screenshot of each image span, for the mechanism-level arms."""
+    plan = engine.splice_plan(msgs, tenant=tenant)
+    images = [file_ids.index(part["image_file"]["file_id"]) for m in msgs if isinstance(m["content"], list)
+              for part in m["content"] if part.get("type") == "image_file"]
+    keys = [(int(i), None) for i in plan.input_ids]
+    for (start, end), image in zip(engine.adapter.image_spans(plan.input_ids), images):
+        keys[start:end] = [(k, image) for k, _ in keys[start:end]]
+    return plan.input_ids, plan.native_positions, keys, images
 
 
 # ---- report -----------------------------------------------------------------------------------------
@@ -500,9 +729,11 @@ def header(engine, threads: int, repeats: int) -> dict:
 
 
 def run_bench(engine, modes: list[str], repeats: int, threads: int, image_tokens: list[int], skill_tokens: list[int],
-              policy_tokens: int, turns: int, show: Callable[[str, dict], None]) -> dict:
-    """Every chosen mode; `show(kind, figures)` gets the header, each table, the copy and the
-    bytes figures as they are measured. Returns them all (the --json report)."""
+              policy_tokens: int, turns: int, show: Callable[[str, dict], None], agent_turns: int = 8,
+              seed: int = 0) -> dict:
+    """Every chosen mode; `show(kind, figures)` gets the header, each table, the agent session, the
+    copy and the bytes figures as they are measured. Returns them all (the --json report). The
+    agent session uses the smallest image and skill sizes."""
     report = header(engine, threads, repeats)
     show("header", report)
     text = TextContext(engine.adapter)
@@ -515,12 +746,16 @@ def run_bench(engine, modes: list[str], repeats: int, threads: int, image_tokens
     if "errata" in modes:
         report["tables"].append(asdict(bench_errata(engine, policy_tokens, turns, text)))
         show("table", report["tables"][-1])
+    if "agent" in modes:
+        report["agent"] = bench_agent(engine, agent_turns, seed, repeats, min(image_tokens, default=64),
+                                      min(skill_tokens, default=1024))
+        show("agent", report["agent"])
     entries = _chunks(engine, image_tokens, skill_tokens) if "copy" in modes or "bytes" in modes else []
     if "copy" in modes:
         report["copy"] = bench_copy(engine, entries, repeats)
         show("copy", {"rows": report["copy"]})
     if "bytes" in modes:
-        report["bytes"] = bench_bytes(engine, entries)
+        report["bytes"] = bench_bytes(engine, entries, skill_tokens)
         show("bytes", {"rows": report["bytes"]})
     return report
 
@@ -535,9 +770,8 @@ def _chunks(engine, image_tokens: list[int], skill_tokens: list[int]) -> list:
         plan = engine.splice_plan([{"role": "user", "content": [image, {"type": "text", "text": "?"}]}], tenant=tenant)
         entries.append(plan.placements[0].entry)
     for n in skill_tokens:
-        tenant = f"skill-{n}"
-        body = _text_of(engine.adapter.tokenizer, n, SKILL_SENTENCE)
-        skill = {"type": "skill", "skill_id": engine.add_skill("spec", body, tenant=tenant)}
+        skill_id, tenant = _skill(engine, n)
+        skill = {"type": "skill", "skill_id": skill_id}
         plan = engine.splice_plan([{"role": "user", "content": [skill, {"type": "text", "text": "?"}]}], tenant=tenant)
         entries.append(plan.placements[0].entry)
     return entries

@@ -16,7 +16,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     result = CliRunner().invoke(app, ["bench", "--config", "tiny", "--threads", "1", "--repeats", "1",
                                       "--image-tokens", "16", "--skill-tokens", "64", "--policy-tokens", "64",
-                                      "--turns", "2", "--json", str(out)])
+                                      "--turns", "2", "--agent-turns", "3", "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "torch threads 1" in result.output and "### image" in result.output
     return json.loads(out.read_text())
@@ -79,6 +79,41 @@ def test_copy_and_bytes(report):
         assert r["kv_bytes_per_token"] == r["ideal_bytes_per_token"] == kv_per_token
     image = report["bytes"][0]
     assert image["stored_bytes_per_token"] > kv_per_token  # the image's visual features are kept too
+    spliced = report["bytes"][-1]  # most blocks of a turn splicing the skill reference it: far fewer bytes
+    assert "reference it" in spliced["what"] and spliced["stored_bytes_per_token"] < kv_per_token / 2
+    for r in report["copy"]:
+        assert r["before_ratio"] == pytest.approx(r["before_gb_s"] / r["clone_gb_s"])
+
+
+def test_agent_session_adds_up_and_matches_its_plan(report):
+    """Each arm's cumulative figures are the sums of its turns; mmkv reuses exactly what the plan
+    says (block prefix of an earlier prompt + the spliced chunks after it); the full recompute
+    computes every token and encodes every screenshot attached; exact-prefix caching reuses whole
+    blocks only; mmkv runs the vision tower once per new screenshot, never for one shown again."""
+    from dataclasses import asdict
+
+    from mmkv.bench_run import agent_script
+
+    a = report["agent"]
+    script = agent_script(3, 0)  # seeded: the same session every run
+    assert a["script"] == [asdict(t) for t in script] and (a["turns"], a["seed"]) == (3, 0)
+    assert script[0].new_screenshot == 0 and script[1].shown_again and script[2].erratum  # every kind of turn
+    rows = a["sessions"][-1]
+    summary = {r["arm"]: r for r in a["summary"]}
+    for arm, r in summary.items():
+        for key in ("ms", "cpu_ms", "computed_tokens", "vision_runs", "reused_tokens"):
+            assert r[key] == pytest.approx(sum(t["arms"][arm][key] for t in rows)), (arm, key)
+    attached = 0
+    for t, turn in zip(rows, script):
+        attached += (turn.new_screenshot is not None) + len(turn.shown_again)
+        full, prefix, mmkv = (t["arms"][arm] for arm in ("full recompute", "exact-prefix caching", "mmkv"))
+        assert (full["computed_tokens"], full["vision_runs"], full["reused_tokens"]) == (t["prompt_tokens"], attached, 0)
+        assert prefix["reused_tokens"] % 16 == 0 and prefix["computed_tokens"] == t["prompt_tokens"] - prefix["reused_tokens"]
+        assert prefix["reused_tokens"] > 0 and prefix["vision_runs"] <= full["vision_runs"]
+        assert mmkv["reused_tokens"] == t["mmkv_expected_reused"] > prefix["reused_tokens"] - 16
+        assert mmkv["vision_runs"] == int(turn.new_screenshot is not None)
+    assert summary["mmkv"]["reused_tokens"] > summary["exact-prefix caching"]["reused_tokens"]
+    assert summary["full recompute"]["speedup_vs_full"] == pytest.approx(1.0)
 
 
 def test_full_size_config_refused_when_memory_is_short(monkeypatch):
