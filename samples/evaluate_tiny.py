@@ -30,10 +30,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from mmkv.vqa_eval import episodes as E  # noqa: E402
 from mmkv.vqa_eval.dataset import ANSWERS, CATEGORIES, TYPES, VQAItem, load_vqa_set  # noqa: E402
 
 MODELS = [ROOT / "samples" / "models" / "qwen2_5_vl-tiny", ROOT / "samples" / "models" / "qwen3_vl-tiny"]
 SET = ROOT / "samples" / "vqa"
+HELDOUT_STYLE = SET / "heldout_style"  # the nine types drawn in the renderer kept out of training
+EPISODES = SET / "episodes"  # multi-token, two-image, text-field and erratum conversations
 EXPECTATIONS = ROOT / "samples" / "models" / "expected_answers.json"
 SYSTEM = "You are a helpful assistant."
 
@@ -141,6 +144,36 @@ def evaluate(model_dir: Path, items: list[VQAItem], shuffle_seed: int = 4321, sh
             "shuffle_rounds": len(rounds), "shuffled_predictions": rounds}
 
 
+def evaluate_extra(model_dir: Path, heldout: list[VQAItem], episodes: list) -> dict:
+    """Exact-match accuracy per type on the held-out-style items and on the committed episodes."""
+    model, processor = load(model_dir)
+    out: dict = {"heldout_style": {}, "episodes": {}}
+    for t in TYPES:
+        group = [it for it in heldout if it.type == t]
+        if group:
+            hits = [answer(model, processor, it.load_image(), it.question)[0] == it.answer for it in group]
+            out["heldout_style"][t] = {"n": len(group), "accuracy": sum(hits) / len(group)}
+    for t in E.SPLIT_TYPES:
+        group = [ep for ep in episodes if ep.type == t]
+        if group:
+            got = [E.ask(model, processor, ep) for ep in group]
+            out["episodes"][t] = {"n": len(group), "category": E.CATEGORY[t],
+                                  "accuracy": sum(g == ep.answer for g, ep in zip(got, group)) / len(group),
+                                  "predictions": {ep.id: g for g, ep in zip(got, group)}}
+    return out
+
+
+def markdown_extra(results: list[dict]) -> str:
+    lines = ["| split | type | category | n | " + " | ".join(f"{r['model']} acc" for r in results) + " |",
+             "|" + "---|" * (4 + len(results))]
+    for split in ("heldout_style", "episodes"):
+        for t, v in results[0].get(split, {}).items():
+            cat = v.get("category") or next(c for c, ts in CATEGORIES.items() if t in ts)
+            lines.append(f"| {split} | {t} | {cat} | {v['n']} | "
+                         + " | ".join(f"{r[split][t]['accuracy']:.3f}" for r in results) + " |")
+    return "\n".join(lines)
+
+
 def markdown(results: list[dict]) -> str:
     lines = []
     head = "| type | category | n | " + " | ".join(f"{r['model']} acc | shuffled / chance" for r in results) + " | majority |"
@@ -184,6 +217,8 @@ def main(argv=None) -> None:
     ap.add_argument("--shuffle-seed", type=int, default=4321)
     ap.add_argument("--shuffle-rounds", type=int, default=10, help="derangements averaged in the shuffled control")
     ap.add_argument("--limit", type=int, default=None, help="only the first N items of each type (a quick look)")
+    ap.add_argument("--heldout-set", default=str(HELDOUT_STYLE), help="held-out drawing style split ('' skips it)")
+    ap.add_argument("--episodes", default=str(EPISODES), help="committed conversation split ('' skips it)")
     ap.add_argument("--json", default=None, help="write the full results here")
     ap.add_argument("--write-expectations", action="store_true",
                     help=f"store the answers to the fixed test items in {EXPECTATIONS.relative_to(ROOT)}")
@@ -195,6 +230,16 @@ def main(argv=None) -> None:
     dirs = [Path(m) for m in args.model] if args.model else [m for m in MODELS if m.exists()]
     results = [evaluate(d, items, args.shuffle_seed, args.shuffle_rounds) for d in dirs]
     print(markdown(results))
+    heldout = load_vqa_set(args.heldout_set) if args.heldout_set else []
+    episodes = E.load_split(args.episodes) if args.episodes else []
+    if args.limit:
+        heldout = [it for t in TYPES for it in [i for i in heldout if i.type == t][: args.limit]]
+        episodes = [ep for t in E.SPLIT_TYPES for ep in [e for e in episodes if e.type == t][: args.limit]]
+    if heldout or episodes:
+        for d, r in zip(dirs, results):
+            r.update(evaluate_extra(d, heldout, episodes))
+        print()
+        print(markdown_extra(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.write_expectations:

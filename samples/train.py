@@ -28,12 +28,14 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mmkv import tiny
 from mmkv.vqa_eval import dataset as D
+from mmkv.vqa_eval import episodes as E
 
 #: Token grid bounds per family: about 16 to 30 merged vision tokens per image.
 GRID = {
@@ -48,8 +50,11 @@ SYSTEM_PROMPTS = (
 #: Chance of the default system prompt (the one inference uses); the others move the image.
 P_DEFAULT_SYSTEM = 0.7
 #: Sampling weight per question type: the types that need binding or position get more steps.
+#: The tasks added later (vqa_eval/episodes.py: multi-token, two-image, text fields and errata) are
+#: off by default so that the first stages' commands reproduce; ``--weight TYPE=W`` turns them on.
 TYPE_WEIGHTS = {"color": 0.5, "shape": 1.0, "count": 1.0, "color_of_shape": 1.0, "shape_of_color": 1.0,
-                "left_of": 2.5, "gate_plain": 1.0, "gate_logo": 1.0, "gate_scene": 1.0}
+                "left_of": 2.5, "gate_plain": 1.0, "gate_logo": 1.0, "gate_scene": 1.0,
+                **{t: 0.0 for t in E.ALL_TYPES if t not in D.TYPES}}
 #: The only questions of the warm-up phase (``--warm-until``).
 WARM_TYPES = ("color", "shape", "count")
 #: Turns per conversation (one count per batch): mostly single questions, some long histories.
@@ -117,27 +122,40 @@ def accept_probability(qtype: str, scene, question: str, answer: str, bias: floa
     return w
 
 
-def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int,
-                 types: dict[str, float] | None = None, color_jitter: int = 12, bias: float = 0.0):
-    """(messages, images, answers): system turn, ``n_turns - 1`` earlier Q/A turns, the final question.
+@dataclass(frozen=True)
+class Style:
+    """How training images are drawn: ``p`` the share drawn in a non-flat training renderer
+    (``dataset.TRAIN_STYLES``; the held-out one never), ``jpeg`` the chance of a JPEG re-encode."""
 
-    ``types`` maps question types to sampling weights (default :data:`TYPE_WEIGHTS`); ``bias``
-    in [0, 1] is the strength of the early answer skew (:data:`SKEW`)."""
-    types = TYPE_WEIGHTS if types is None else types
-    system = SYSTEM_PROMPTS[0] if rng.random() < P_DEFAULT_SYSTEM else rng.choice(SYSTEM_PROMPTS[1:])
-    msgs: list[dict] = [{"role": "system", "content": [{"type": "text", "text": system}]}]
-    images, answers = [], []
-    for _ in range(n_turns):
-        qtype = rng.choices(list(types), weights=list(types.values()))[0]
-        while True:
-            scene, q, a = D.make_item(rng, qtype, level=level, easy_size=easy_size)
-            if bias <= 0 or rng.random() < accept_probability(qtype, scene, q, a, bias):
-                break
-        images.append(D.render(scene, rng, color_jitter=color_jitter))
-        answers.append(a)
-        msgs.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]})
-        msgs.append({"role": "assistant", "content": [{"type": "text", "text": a}]})
-    return msgs, images, answers
+    p: float = 0.0
+    jpeg: float = 0.0
+    color_jitter: int = 12
+
+    def drawer(self):
+        def draw(scene, rng):
+            style = rng.choice(D.TRAIN_STYLES[1:]) if self.p > 0 and rng.random() < self.p else "flat"
+            return D.render_styled(scene, rng, style, color_jitter=self.color_jitter, jpeg=self.jpeg)
+        return draw
+
+
+def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int,
+                 types: dict[str, float] | None = None, bias: float = 0.0, style: Style = Style()):
+    """(messages, images, answers) of one episode (vqa_eval/episodes.py) whose asked type is drawn
+    from ``types`` (default :data:`TYPE_WEIGHTS`), after ``n_turns - 1`` earlier image Q/A turns.
+
+    ``bias`` in [0, 1] is the strength of the early answer skew (:data:`SKEW`) on the asked turn."""
+    types = {t: w for t, w in (TYPE_WEIGHTS if types is None else types).items() if w > 0}
+    singles = {t: types.get(t, 0.0) for t in D.TYPES if types.get(t, 0.0) > 0} or None
+    qtype = rng.choices(list(types), weights=list(types.values()))[0]
+    while True:
+        ep = E.build(rng, qtype, level=level, easy_size=easy_size, draw=style.drawer(), before=n_turns - 1,
+                     filler_types=singles)
+        if bias <= 0 or qtype not in D.TYPES:
+            break
+        q = ep.messages[-2]["content"][-1]["text"]
+        if rng.random() < accept_probability(qtype, ep.scenes[-1], q, ep.answer, bias):
+            break
+    return ep.messages, ep.images, ep.answers
 
 
 def find_subseq(seq: list[int], pat: list[int]) -> list[int]:
@@ -170,12 +188,12 @@ class Batcher:
         return labels
 
     def batch(self, rng: random.Random, size: int, level: float, max_turns: int = 4, bias: float = 0.0,
-              types: dict[str, float] | None = None):
+              types: dict[str, float] | None = None, style: Style = Style()):
         texts, images = [], []
         turns = [n for n in TURN_WEIGHTS if n <= max_turns]
         n_turns = rng.choices(turns, weights=[TURN_WEIGHTS[n] for n in turns])[0]  # one count per batch: little padding
         for _ in range(size):
-            msgs, imgs, _ = conversation(rng, level, self.easy_size, n_turns, types=types, bias=bias)
+            msgs, imgs, _ = conversation(rng, level, self.easy_size, n_turns, types=types, bias=bias, style=style)
             texts.append(self.proc.apply_chat_template(msgs, tokenize=False))
             images.extend(imgs)
         enc = self.proc(text=texts, images=images, return_tensors="pt", padding=True)
@@ -186,36 +204,31 @@ class Batcher:
 # ----------------------------------------------------------------------------- quick eval
 
 
-def prompt_inputs(processor, image, question: str, system: str = "You are a helpful assistant."):
-    msgs = [{"role": "system", "content": [{"type": "text", "text": system}]},
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-    text = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    return processor(text=[text], images=[image], return_tensors="pt")
-
-
 @torch.no_grad()
-def quick_eval(model, processor, items) -> dict[str, float]:
-    """Greedy first-token accuracy per type on (image, question, answer, type) tuples."""
+def quick_eval(model, processor, episodes) -> dict[str, float]:
+    """Greedy exact-match accuracy per key on (key, episode) pairs (full answers, not first tokens)."""
     model.eval()
-    tok = processor.tokenizer
     hits: dict[str, list[int]] = {}
-    for img, q, a, t in items:
-        enc = prompt_inputs(processor, img, q).to(model.device)
-        logits = model(**enc).logits[0, -1]
-        want = tok.encode(a, add_special_tokens=False)[0]
-        hits.setdefault(t, []).append(int(int(logits.argmax()) == want))
+    for key, ep in episodes:
+        hits.setdefault(key, []).append(int(E.ask(model, processor, ep) == ep.answer))
     model.train()
     return {t: sum(v) / len(v) for t, v in hits.items()}
 
 
-def heldout(n_per_type: int, seed: int, level: float = 1.0):
-    """Validation items from string seeds (never the evaluation set's integer seeds)."""
+def heldout(n_per_type: int, seed: int, types, level: float = 1.0, n_style: int = 0):
+    """Validation episodes from string seeds ``val-<seed>-...`` (never the training seeds nor the
+    committed splits' integer seeds): ``n_per_type`` of each type (single question, flat drawing),
+    and ``n_style`` of each single-image type drawn in the held-out style (key ``style:<type>``)."""
     out = []
-    for t in D.TYPES:
+    for t in types:
         for i in range(n_per_type):
             rng = random.Random(f"val-{seed}-{t}-{i}")
-            scene, q, a = D.make_item(rng, t, level=level)
-            out.append((D.render(scene, rng), q, a, t))
+            out.append((t, E.build(rng, t, level=level, before=0)))
+    draw = lambda scene, rng: D.render_styled(scene, rng, D.HELDOUT_STYLE)  # noqa: E731
+    for t in D.TYPES if n_style else ():
+        for i in range(n_style):
+            rng = random.Random(f"val-{seed}-style-{t}-{i}")
+            out.append((f"style:{t}", E.build(rng, t, level=level, before=0, draw=draw)))
     return out
 
 
@@ -266,6 +279,15 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="e.g. cuda, where a GPU is lent (data stay on the CPU)")
     ap.add_argument("--resume", action="store_true", help="start from the weights in --out")
+    ap.add_argument("--style-p", type=float, default=0.0,
+                    help="share of training images drawn in a non-flat training renderer (never the held-out one)")
+    ap.add_argument("--jpeg", type=float, default=0.0, help="chance of a JPEG re-encode of a training image")
+    ap.add_argument("--val-per-type", type=int, default=12, help="validation episodes per trained type")
+    ap.add_argument("--val-style", type=int, default=0,
+                    help="validation episodes per single-image type in the held-out style")
+    ap.add_argument("--best", default=None,
+                    help="also save to this dir whenever the validation mean (over trained types and the "
+                         "held-out style) is at least the best so far: weights chosen on validation only")
     ap.add_argument("--weight", action="append", default=[], metavar="TYPE=W",
                     help="override one question type's sampling weight (TYPE_WEIGHTS); repeatable")
     args = ap.parse_args(argv)
@@ -309,7 +331,9 @@ def main(argv=None) -> None:
                             lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
     batcher = Batcher(processor, args.family)
     warm_types = {t: weights[t] for t in WARM_TYPES}
-    val = heldout(12, args.seed)
+    style = Style(p=args.style_p, jpeg=args.jpeg)
+    val = heldout(args.val_per_type, args.seed, [t for t, w in weights.items() if w > 0], n_style=args.val_style)
+    best = {"score": -1.0, "step": None}
     budget_s = args.minutes * 60 if args.minutes else None
     t0 = time.time()
     last_save = t0
@@ -337,7 +361,19 @@ def main(argv=None) -> None:
                 "earlier_runs": earlier,
                 "total_steps": step + sum(r.get("steps") or 0 for r in earlier),
                 "total_elapsed_s": round(time.time() - t0 + sum(r.get("elapsed_s") or 0 for r in earlier), 1),
+                "style_p": args.style_p, "jpeg": args.jpeg, "best": best,
                 "history": history[-50:]}
+
+    def evaluate() -> None:
+        acc = quick_eval(model, processor, val)
+        score = sum(acc.values()) / len(acc)
+        history.append({"step": step, "t": round(time.time() - t0), "loss_ema": round(ema or 0, 4),
+                        "val_mean": round(score, 4), **{k: round(v, 3) for k, v in acc.items()}})
+        print("eval", json.dumps(history[-1]), flush=True)
+        if args.best and score >= best["score"]:
+            best.update(score=round(score, 4), step=step)
+            save(model, processor, Path(args.best), state(final=False))
+            print(f"best {score:.4f} at step {step} -> {args.best}", flush=True)
 
     model.train()
     while progress() < 1.0:
@@ -350,7 +386,7 @@ def main(argv=None) -> None:
         bias = min(1.0, max(0.0, (args.skew_until - p) / 0.3))  # (0 throughout with --skew-until 0)
         types = warm_types if p < args.warm_until else weights
         batch = batcher.batch(rng, args.batch, level, max_turns=1 if p < args.single_until else 4, bias=bias,
-                              types=types)
+                              types=types, style=style)
         loss = model(**batch.to(args.device)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -362,19 +398,13 @@ def main(argv=None) -> None:
             print(f"step {step} p={p:.3f} level={level:.2f} skew={bias:.2f} warm={int(p < args.warm_until)} lr={lr:.2e} loss={loss.item():.4f} ema={ema:.4f} "
                   f"t={time.time() - t0:.0f}s", flush=True)
         if step % args.eval_every == 0:
-            acc = quick_eval(model, processor, val)
-            history.append({"step": step, "t": round(time.time() - t0), "loss_ema": round(ema, 4),
-                            **{k: round(v, 3) for k, v in acc.items()}})
-            print("eval", json.dumps(history[-1]), flush=True)
+            evaluate()
         if time.time() - last_save > args.save_every_min * 60:
             save(model, processor, out, state(final=False))
             last_save = time.time()
             print(f"saved {out} at step {step}", flush=True)
     if step >= args.eval_every:  # (smoke runs skip it)
-        acc = quick_eval(model, processor, val)
-        history.append({"step": step, "t": round(time.time() - t0), "loss_ema": round(ema or 0, 4),
-                        **{k: round(v, 3) for k, v in acc.items()}})
-        print("eval", json.dumps(history[-1]), flush=True)
+        evaluate()
     save(model, processor, out, state(final=True))
     print(f"done: {step} steps in {time.time() - t0:.0f}s -> {out}", flush=True)
 

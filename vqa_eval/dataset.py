@@ -72,6 +72,16 @@ Q_GATE = (
     "the customer asks for a refund . answer refund or escalate ."
 )
 
+Q_DESCRIBE = "describe the shapes from left to right ."
+#: Question types outside the committed split's nine (drawn by :func:`make_item` all the same).
+EXTRA_TYPES: tuple[str, ...] = ("describe",)
+
+
+def describe_answer(objs: Sequence["Obj"]) -> str:
+    """``describe``'s multi-token answer: colour and shape of each object, left to right."""
+    return " , ".join(f"{o.color} {o.shape}" for o in sorted(objs, key=lambda o: o.cx))
+
+
 #: Every answer any question can have, by type (the tokenizer needs them all).
 ANSWERS: dict[str, tuple[str, ...]] = {
     "color": tuple(COLORS),
@@ -146,15 +156,16 @@ def _jitter(rgb: tuple[int, int, int], rng: random.Random, amount: int) -> tuple
     return tuple(max(0, min(255, c + rng.randint(-amount, amount))) for c in rgb)  # type: ignore[return-value]
 
 
-def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, size: float, fill) -> None:
+def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, size: float, fill,
+                outline=None, width: int = 1) -> None:
     h = size / 2
     if shape == "circle":
-        draw.ellipse([cx - h, cy - h, cx + h, cy + h], fill=fill)
+        draw.ellipse([cx - h, cy - h, cx + h, cy + h], fill=fill, outline=outline, width=width)
     elif shape == "square":
         s = h * 0.9  # a square of the same box looks bigger than a circle; keep areas close
-        draw.rectangle([cx - s, cy - s, cx + s, cy + s], fill=fill)
+        draw.rectangle([cx - s, cy - s, cx + s, cy + s], fill=fill, outline=outline, width=width)
     elif shape == "triangle":
-        draw.polygon([(cx, cy - h), (cx - h, cy + h), (cx + h, cy + h)], fill=fill)
+        draw.polygon([(cx, cy - h), (cx - h, cy + h), (cx + h, cy + h)], fill=fill, outline=outline, width=width)
     else:  # pragma: no cover - guarded by SHAPES
         raise ValueError(shape)
 
@@ -168,6 +179,93 @@ def render(scene: Scene, rng: random.Random, color_jitter: int = 0) -> Image.Ima
             draw.rectangle(ex["box"], fill=tuple(ex["fill"]), outline=ex.get("outline"), width=ex.get("line", 1))
     for o in scene.objects:
         _draw_shape(draw, o.shape, o.cx, o.cy, o.size, _jitter(COLORS[o.color], rng, color_jitter))
+    return img
+
+
+# ----------------------------------------------------------------------------- drawing styles
+
+#: Renderers seen in training (``flat`` is :func:`render`'s exact palette drawing).
+TRAIN_STYLES: tuple[str, ...] = ("flat", "outline", "hollow", "soft", "noisy")
+#: The renderer kept out of training: anti-aliased shapes with a drop shadow and a dark rim on a
+#: gradient background, panels recoloured. The held-out-style split is drawn with it.
+HELDOUT_STYLE = "shadow"
+STYLES: tuple[str, ...] = TRAIN_STYLES + (HELDOUT_STYLE,)
+
+
+def _shade(rgb: Sequence[int], f: float) -> tuple[int, int, int]:
+    return tuple(max(0, min(255, int(round(c * f)))) for c in rgb)  # type: ignore[return-value]
+
+
+def _gradient(w: int, h: int, a: Sequence[int], b: Sequence[int], vertical: bool) -> Image.Image:
+    import numpy as np
+
+    t = np.linspace(0.0, 1.0, h if vertical else w, dtype=np.float32)
+    t = t[:, None] if vertical else t[None, :]
+    arr = np.asarray(a, np.float32)[None, None] * (1 - t[..., None]) + np.asarray(b, np.float32)[None, None] * t[..., None]
+    arr = np.broadcast_to(arr, (h, w, 3))
+    return Image.fromarray(np.ascontiguousarray(arr.round().astype(np.uint8)), "RGB")
+
+
+def render_styled(scene: Scene, rng: random.Random, style: str, color_jitter: int = 0,
+                  jpeg: float = 0.0) -> Image.Image:
+    """Draw a scene in one of :data:`STYLES` (the same objects, so the same answers).
+
+    ``flat`` is :func:`render`. The others: ``outline`` (filled, dark rim 1-4 px), ``hollow``
+    (coloured outline only), ``soft`` (anti-aliased: drawn at 4x, downsampled), ``noisy`` (gradient
+    background, pixel noise), ``shadow`` (held out: anti-aliased, drop shadow, dark rim, gradient).
+    Panels and bars are recoloured a little in every non-flat style. ``jpeg`` is the chance of a
+    JPEG re-encode (quality 35-85) afterwards."""
+    if style not in STYLES:
+        raise ValueError(f"unknown style {style!r}; expected one of {STYLES}")
+    if style == "flat":
+        img = render(scene, rng, color_jitter=color_jitter)
+    else:
+        scale = 4 if style in ("soft", "shadow") else 1
+        w, h = scene.width * scale, scene.height * scale
+        if style in ("noisy", "shadow"):
+            other = rng.choice(BACKGROUNDS + ((210, 215, 225), (240, 232, 214)))
+            img = _gradient(w, h, scene.background, other, rng.random() < 0.5)
+        else:
+            img = Image.new("RGB", (w, h), scene.background)
+        draw = ImageDraw.Draw(img)
+        tint = rng.uniform(0.85, 1.12)
+        for ex in scene.extras:
+            if ex["kind"] == "rect":
+                box = [v * scale for v in ex["box"]]
+                outline = ex.get("outline")
+                draw.rectangle(box, fill=_shade(ex["fill"], tint), outline=outline,
+                               width=max(1, ex.get("line", 1) * scale))
+        rim = max(1, int(round(rng.uniform(1, 4)))) * scale
+        for o in scene.objects:
+            fill = _jitter(COLORS[o.color], rng, color_jitter)
+            cx, cy, size = o.cx * scale, o.cy * scale, o.size * scale
+            if style == "hollow":
+                width = max(2 * scale, int(size * rng.uniform(0.1, 0.18)))
+                _draw_shape(draw, o.shape, cx, cy, size, None, outline=fill, width=width)
+            elif style == "outline":
+                _draw_shape(draw, o.shape, cx, cy, size, fill, outline=_shade(fill, 0.45), width=rim)
+            elif style == "shadow":
+                d = size * 0.08
+                _draw_shape(draw, o.shape, cx + d, cy + d, size, (110, 110, 110))
+                _draw_shape(draw, o.shape, cx, cy, size, fill, outline=_shade(fill, 0.55), width=scale)
+            else:
+                _draw_shape(draw, o.shape, cx, cy, size, fill)
+        if scale > 1:
+            img = img.resize((scene.width, scene.height), Image.Resampling.LANCZOS)
+        if style == "noisy":
+            import numpy as np
+
+            nrng = np.random.default_rng(rng.getrandbits(32))
+            arr = np.asarray(img, np.float32) + nrng.normal(0.0, rng.uniform(4, 14), (scene.height, scene.width, 3))
+            img = Image.fromarray(arr.clip(0, 255).round().astype(np.uint8), "RGB")
+    if jpeg > 0 and rng.random() < jpeg:
+        import io
+
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=rng.randint(35, 85))
+        buf.seek(0)
+        with Image.open(buf) as im:
+            img = im.convert("RGB")
     return img
 
 
@@ -300,6 +398,15 @@ def make_item(rng: random.Random, qtype: str, level: float = 1.0, easy_size: int
         i, j = rng.choice(pairs)
         return scene, Q_LEFT_OF.format(a=objs[i].color, b=objs[j].color), "yes" if want_yes else "no"
 
+    if qtype == "describe":  # 1-3 objects in distinct columns, named left to right
+        n = rng.randint(1, min(3, cols))
+        col_choice = rng.sample(range(cols), n)
+        cells = [(c, rng.randrange(rows)) for c in col_choice]
+        boxes = _place(rng, n, w, h, cols, rows, easy, cells=cells)
+        objs = [Obj(rng.choice(colors), rng.choice(shapes), cx, cy, sz) for cx, cy, sz, _ in boxes]
+        scene.objects.extend(objs)
+        return scene, Q_DESCRIBE, describe_answer(objs)
+
     if qtype in ("gate_plain", "gate_logo", "gate_scene"):
         light = rng.choice(colors)
         asked = light if rng.random() < 0.5 else rng.choice([c for c in colors if c != light])
@@ -379,30 +486,36 @@ def item_seed(seed: int, qtype: str, index: int) -> int:
     return seed * 1_000_003 + TYPES.index(qtype) * 10_007 + index
 
 
-def generate_items(seed: int, per_type: int, level: float = 1.0):
+def generate_items(seed: int, per_type: int, level: float = 1.0, style: str = "flat"):
     """Yield (id, qtype, scene, image, question, answer) for the evaluation set."""
     for qtype in TYPES:
         for i in range(per_type):
             rng = random.Random(item_seed(seed, qtype, i))
             scene, q, a = make_item(rng, qtype, level=level)
-            img = render(scene, rng, color_jitter=0)
+            img = render(scene, rng, color_jitter=0) if style == "flat" else render_styled(scene, rng, style)
             yield f"{qtype}-{i:03d}", qtype, scene, img, q, a
 
 
-def write_set(out: Path, seed: int, per_type: int) -> list[dict]:
+def write_set(out: Path, seed: int, per_type: int, style: str = "flat") -> list[dict]:
     out = Path(out)
     (out / "images").mkdir(parents=True, exist_ok=True)
     rows = []
-    for iid, qtype, scene, img, q, a in generate_items(seed, per_type):
+    for iid, qtype, scene, img, q, a in generate_items(seed, per_type, style=style):
         rel = f"images/{iid}.png"
-        to_palette_png(img, out / rel)
+        if style == "flat":
+            to_palette_png(img, out / rel)
+        else:  # anti-aliased styles have more than 256 colours: a plain (still lossless) PNG
+            img.save(out / rel, format="PNG", optimize=True)
         rows.append({"id": iid, "image": rel, "question": q, "answer": a,
                      "category": CATEGORY_OF[qtype], "type": qtype, "scene": scene.to_json()})
     with open(out / "items.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r, sort_keys=True) + "\n")
     meta = {"seed": seed, "per_type": per_type, "n": len(rows), "types": list(TYPES),
-            "generator": "python -m mmkv.vqa_eval.dataset --out samples/vqa --seed %d --per-type %d" % (seed, per_type)}
+            "generator": "python -m mmkv.vqa_eval.dataset --out %s --seed %d --per-type %d" % (out, seed, per_type)
+            + (f" --style {style}" if style != "flat" else "")}
+    if style != "flat":
+        meta["style"] = style
     (out / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return rows
 
@@ -474,13 +587,15 @@ def main(argv: Iterable[str] | None = None) -> None:
     ap.add_argument("--out", default="samples/vqa")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--per-type", type=int, default=40)
+    ap.add_argument("--style", default="flat", choices=STYLES,
+                    help=f"drawing style ({HELDOUT_STYLE!r} is the one kept out of training)")
     ap.add_argument("--photos-from", default=None,
                     help="scikit-image's data folder (skimage/data) to copy a few photographs from")
     args = ap.parse_args(list(argv) if argv is not None else None)
     out = Path(args.out)
     if (out / "images").exists():
         shutil.rmtree(out / "images")
-    rows = write_set(out, args.seed, args.per_type)
+    rows = write_set(out, args.seed, args.per_type, style=args.style)
     print(f"wrote {len(rows)} items to {out}")
     if args.photos_from:
         prow = write_photos(out, Path(args.photos_from))

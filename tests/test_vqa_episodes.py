@@ -1,0 +1,199 @@
+"""The conversation tasks (vqa_eval/episodes.py), the drawing styles, and the committed splits:
+every answer re-derived independently of the generator, the splits regenerate byte for byte."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmkv.vqa_eval import dataset as D
+from mmkv.vqa_eval import episodes as E
+
+ROOT = Path(__file__).resolve().parents[1]
+EPISODES = ROOT / "samples" / "vqa" / "episodes"
+HELDOUT = ROOT / "samples" / "vqa" / "heldout_style"
+
+POLICY = re.compile(r"refund only if (?:the )?([a-z_ ]+?) is ([a-z]+) \. otherwise")
+FIELD_IMAGE = re.compile(r"status light is ([a-z]+) and the ([a-z ]+?) is ([a-z]+) \.")
+FIELD_LINE = re.compile(r'^\{?"?([a-z_]+)"?\s*[:=]\s*"?([a-z]+)"?\}?$')
+ERRATUM = re.compile(r"^\[STATE UPDATE\] ([a-z_]+) has just changed to ([a-z]+); this overrides")
+
+
+def _texts(messages: list[dict]) -> list[tuple[str, str]]:
+    return [(m["role"], p["text"]) for m in messages for p in m["content"] if p["type"] == "text"]
+
+
+def _gate_answer(messages: list[dict]) -> str:
+    """Refund iff the current value (the last field line or erratum of that field) is the policy's.
+
+    Independent of the generator: parses the rendered texts only."""
+    texts = [t for role, t in _texts(messages) if role != "assistant"]
+    joined = "\n".join(texts)
+    m = FIELD_IMAGE.search(texts[-1])
+    if m:
+        phrase, required = m.group(2), m.group(3)
+    else:
+        phrase, required = POLICY.search(joined).groups()
+    field = phrase.replace(" ", "_")
+    current = None
+    for line in joined.splitlines():
+        for pat in (FIELD_LINE, ERRATUM):
+            hit = pat.match(line.strip())
+            if hit and hit.group(1) == field:
+                current = hit.group(2)
+    assert current is not None, joined
+    return "refund" if current == required else "escalate"
+
+
+def _solve(qtype: str, messages: list[dict], scenes: list[dict]) -> str:
+    objs = [[o for o in s["objects"] if o["role"] == "object"] for s in scenes]
+    if qtype == "describe":
+        return " , ".join(f"{o['color']} {o['shape']}" for o in sorted(objs[-1], key=lambda o: o["cx"]))
+    if qtype == "same_color":
+        return "yes" if objs[-2][0]["color"] == objs[-1][0]["color"] else "no"
+    if qtype == "more_shapes":
+        return "this" if len(objs[-1]) > len(objs[-2]) else "previous"
+    answer = _gate_answer(messages)
+    if qtype == "field_image_gate":
+        asked = FIELD_IMAGE.search([t for role, t in _texts(messages) if role != "assistant"][-1]).group(1)
+        (light,) = [o for o in scenes[-1]["objects"] if o["role"] == "light"]
+        return answer if light["color"] == asked else "escalate"
+    return answer
+
+
+@pytest.mark.parametrize("qtype", E.ALL_TYPES)
+def test_every_answer_of_every_type_rederives(qtype):
+    for i in range(40):
+        ep = E.build(random.Random(f"t-{qtype}-{i}"), qtype)
+        assert ep.type == qtype and ep.messages[-1]["role"] == "assistant"
+        assert len(ep.answers) == sum(m["role"] == "assistant" for m in ep.messages)
+        assert len(ep.images) == sum(p["type"] == "image" for m in ep.messages for p in m["content"])
+        if qtype in E.SPLIT_TYPES:
+            assert _solve(qtype, ep.prompt_messages(), [s.to_json() for s in ep.scenes]) == ep.answer
+        # every earlier answer is right too (they are supervised in training)
+        if qtype == "erratum_gate":
+            for k, msg in enumerate(ep.messages):
+                if msg["role"] == "assistant" and msg["content"][0]["text"] in ("refund", "escalate"):
+                    prev = ep.messages[k - 1]["content"]
+                    if any(p["type"] == "image" for p in prev):
+                        continue  # an image gate filler turn (its own policy)
+                    assert _gate_answer(ep.messages[:k]) == msg["content"][0]["text"]
+
+
+def test_answers_are_balanced_and_errata_change_the_answer():
+    n = 400
+    for qtype, yes in (("same_color", "yes"), ("more_shapes", "this"), ("field_gate", "refund"),
+                       ("erratum_gate", "refund"), ("field_image_gate", "refund")):
+        share = sum(E.build(random.Random(f"b-{qtype}-{i}"), qtype).answer == yes for i in range(n)) / n
+        assert 0.4 <= share <= 0.6, (qtype, share)
+    # the latest erratum decides: with the errata dropped, the answer changes in a good share of episodes
+    flips = 0
+    for i in range(200):
+        ep = E.build(random.Random(f"f-{i}"), "erratum_gate")
+        stripped = [{"role": m["role"], "content": [p for p in m["content"] if not (
+            p["type"] == "text" and p["text"].startswith("[STATE UPDATE]"))]} for m in ep.messages]
+        for m in stripped:
+            for p in m["content"]:
+                if p["type"] == "text":
+                    p["text"] = "\n".join(x for x in p["text"].splitlines() if not x.startswith("[STATE UPDATE]"))
+        flips += _gate_answer(stripped[:-1]) != ep.answer
+    assert flips >= 60
+
+
+def test_describe_names_objects_left_to_right_in_distinct_columns():
+    for i in range(60):
+        scene, q, a = D.make_item(random.Random(f"d-{i}"), "describe")
+        assert q == D.Q_DESCRIBE
+        xs = sorted(o.cx for o in scene.objects)
+        assert all(b - a_ > 1 for a_, b in zip(xs, xs[1:]))
+        assert len(a.split(" , ")) == len(scene.objects) <= 3
+
+
+@pytest.mark.parametrize("style", [s for s in D.STYLES if s != "hollow"])
+def test_styles_draw_the_same_objects(style):
+    """The centre of every filled object keeps its colour in every filled style (hollow: its rim)."""
+    bad = 0
+    for i in range(30):
+        rng = random.Random(f"s-{style}-{i}")
+        scene, _, _ = D.make_item(rng, rng.choice(D.TYPES))
+        img = np.asarray(D.render_styled(scene, rng, style)).astype(int)
+        for o in scene.objects:
+            x, y = o.probe()
+            if o.size < 12:
+                continue
+            bad += D.nearest_color(img[y, x]) != o.color
+    assert bad == 0
+
+
+def test_hollow_style_outlines_in_the_object_colour():
+    rng = random.Random(3)
+    scene, _, _ = D.make_item(rng, "color")
+    (o,) = scene.objects
+    img = np.asarray(D.render_styled(scene, rng, "hollow")).astype(int)
+    x, y = int(o.cx), int(o.cy)
+    ring = [img[y, int(x + dx)] for dx in np.linspace(-o.size / 2, o.size / 2, 40) if 0 <= int(x + dx) < img.shape[1]]
+    assert any(D.nearest_color(p) == o.color and min(abs(p - np.asarray(D.COLORS[o.color]))) < 40 for p in ring)
+
+
+def test_training_never_draws_the_heldout_style():
+    assert D.HELDOUT_STYLE not in D.TRAIN_STYLES
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train", ROOT / "samples" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.modules["train"] = train  # (dataclasses look their module up)
+    spec.loader.exec_module(train)
+    seen = []
+    orig = D.render_styled
+    try:
+        D.render_styled = lambda scene, rng, style, **kw: (seen.append(style), orig(scene, rng, style, **kw))[1]
+        draw = train.Style(p=1.0, jpeg=0.5).drawer()
+        for i in range(60):
+            rng = random.Random(i)
+            scene, _, _ = D.make_item(rng, "color")
+            draw(scene, rng)
+    finally:
+        D.render_styled = orig
+    assert set(seen) == set(D.TRAIN_STYLES[1:])
+
+
+def test_committed_episode_split_regenerates(tmp_path):
+    meta = json.loads((EPISODES / "meta.json").read_text())
+    rows = E.write_split(tmp_path, meta["seed"], 2)
+    committed = {json.loads(line)["id"]: json.loads(line) for line in (EPISODES / "episodes.jsonl").open()}
+    assert len(committed) == meta["n"] == meta["per_type"] * len(E.SPLIT_TYPES)
+    for r in rows:
+        assert r == committed[r["id"]]
+        for m in r["messages"]:
+            for p in m["content"]:
+                if p["type"] == "image":
+                    assert (tmp_path / p["image"]).read_bytes() == (EPISODES / p["image"]).read_bytes()
+    for r in committed.values():  # every committed answer re-derives from its own record
+        assert _solve(r["type"], r["messages"], r["scenes"]) == r["answer"], r["id"]
+    eps = E.load_split(EPISODES)
+    assert len(eps) == len(committed) and all(len(ep.images) == len(committed[ep.id]["scenes"]) for ep in eps)
+
+
+def test_committed_heldout_style_split_regenerates(tmp_path):
+    meta = json.loads((HELDOUT / "meta.json").read_text())
+    assert meta["style"] == D.HELDOUT_STYLE
+    rows = D.write_set(tmp_path, meta["seed"], 1, style=meta["style"])
+    for r in rows:
+        assert (tmp_path / r["image"]).read_bytes() == (HELDOUT / r["image"]).read_bytes()
+    items = D.load_vqa_set(HELDOUT)
+    assert len(items) == meta["n"]
+    # its images differ from the flat renderer's for the same scenes
+    rng = random.Random(D.item_seed(meta["seed"], "color", 0))
+    scene, _, _ = D.make_item(rng, "color")
+    flat = np.asarray(D.render(scene, rng)).astype(int)
+    with Image.open(HELDOUT / "images" / "color-000.png") as im:
+        styled = np.asarray(im.convert("RGB")).astype(int)
+    assert np.abs(flat - styled).mean() > 2

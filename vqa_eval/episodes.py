@@ -1,0 +1,379 @@
+"""Conversations for every task the bundled models are trained and scored on.
+
+An :class:`Episode` is a chat (system turn, user turns with images or text, the assistant's
+answers) whose *last* answer is the one asked about. The same builder feeds training
+(``samples/train.py``: every answer is supervised) and the committed conversation split
+(``samples/vqa/episodes``: the last answer is scored), so both see one distribution.
+
+Task types beyond the nine single-image ones of :mod:`mmkv.vqa_eval.dataset`:
+
+* ``describe``: a multi-token answer, ``red circle , blue square`` (objects left to right);
+* two-image, the images in different turns: ``same_color`` (is this shape the same colour as the
+  one in the previous image: yes / no), ``more_shapes`` (which has more shapes: this / previous);
+* text fields: ``field_gate`` (a refund policy names a field and the value it needs; a field line,
+  ``order_status: pending`` / ``tier = gold`` / ``{"payment": "paid"}``, among other fields, in the
+  system turn or in the asking turn; the answer is refund iff the value matches);
+  ``erratum_gate`` (the same, then 1-3 of the paper's ``[STATE UPDATE]`` lines in later turns
+  override the field, the latest winning; earlier turns ask and are answered with the value then
+  current); ``field_image_gate`` (refund only if the status light has a colour *and* the field has
+  a value: an image gate combined with a text field).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+from PIL import Image
+
+from mmkv.messages import erratum_line
+from mmkv.vqa_eval import dataset as D
+
+#: Fields, their values, and how a policy names them.
+FIELDS: dict[str, tuple[str, ...]] = {
+    "order_status": ("pending", "delivered", "shipped", "cancelled", "returned"),
+    "tier": ("gold", "silver", "bronze"),
+    "payment": ("paid", "unpaid", "overdue"),
+    "account": ("active", "locked", "closed"),
+}
+PHRASE = {"order_status": "order status", "tier": "tier", "payment": "payment", "account": "account"}
+POLICIES = (
+    "refund policy . refund only if the {phrase} is {value} . otherwise escalate .",
+    "policy : refund only if {field} is {value} . otherwise escalate .",
+)
+FIELD_FORMATS = ("{f}: {v}", "{f} = {v}", '{{"{f}": "{v}"}}', "{f} : {v}")
+FILLERS = (
+    "note : the office opens at nine .",
+    "the customer has written twice before .",
+    "keep answers short .",
+    "tickets are answered in order .",
+    "the account was opened last year .",
+)
+Q_REFUND = "the customer asks for a refund . answer refund or escalate ."
+Q_AGAIN = "the customer asks again . answer refund or escalate ."
+Q_FIELD_IMAGE = ("policy : refund only if the status light is {color} and the {phrase} is {value} . "
+                 "otherwise escalate . the customer asks for a refund . answer refund or escalate .")
+Q_SAME_COLOR = "is the shape in this image the same color as the shape in the previous image ?"
+Q_MORE_SHAPES = "which image has more shapes , this one or the previous one ? answer this or previous ."
+SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "You are a helpful assistant. Answer with one word.",
+    "you look at images and answer each question with one word .",
+)
+
+IMAGE_TYPES: tuple[str, ...] = D.TYPES + D.EXTRA_TYPES
+TWO_IMAGE_TYPES: tuple[str, ...] = ("same_color", "more_shapes")
+TEXT_TYPES: tuple[str, ...] = ("field_gate", "erratum_gate", "field_image_gate")
+ALL_TYPES: tuple[str, ...] = IMAGE_TYPES + TWO_IMAGE_TYPES + TEXT_TYPES
+#: Answer vocabulary of the new one-token types.
+ANSWERS = {"same_color": ("yes", "no"), "more_shapes": ("this", "previous"), "field_gate": ("refund", "escalate"),
+           "erratum_gate": ("refund", "escalate"), "field_image_gate": ("refund", "escalate")}
+
+#: A drawing function: scene -> image (the style and jitter are the caller's).
+Drawer = Callable[[D.Scene, random.Random], Image.Image]
+
+
+def flat(scene: D.Scene, rng: random.Random) -> Image.Image:
+    return D.render(scene, rng)
+
+
+@dataclass
+class Episode:
+    """A chat whose last assistant answer is the one asked about."""
+
+    type: str
+    messages: list[dict]  # chat-template messages; the last one is the assistant's answer
+    images: list[Image.Image] = field(default_factory=list)
+    scenes: list[D.Scene] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)  # every assistant answer, in order
+
+    @property
+    def answer(self) -> str:
+        return self.answers[-1]
+
+    def prompt_messages(self) -> list[dict]:
+        """The chat up to the asked question (render with ``add_generation_prompt=True``)."""
+        return self.messages[:-1]
+
+
+class _Chat:
+    def __init__(self, system: str, draw: Drawer, rng: random.Random):
+        self.ep_msgs: list[dict] = [{"role": "system", "content": [{"type": "text", "text": system}]}]
+        self.images: list[Image.Image] = []
+        self.scenes: list[D.Scene] = []
+        self.answers: list[str] = []
+        self.draw, self.rng = draw, rng
+
+    def turn(self, text: str, answer: str, scene: D.Scene | None = None) -> None:
+        content: list[dict] = []
+        if scene is not None:
+            self.scenes.append(scene)
+            self.images.append(self.draw(scene, self.rng))
+            content.append({"type": "image"})
+        content.append({"type": "text", "text": text})
+        self.ep_msgs.append({"role": "user", "content": content})
+        self.ep_msgs.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+        self.answers.append(answer)
+
+    def episode(self, qtype: str) -> Episode:
+        return Episode(qtype, self.ep_msgs, self.images, self.scenes, self.answers)
+
+
+def _field_block(rng: random.Random, target: str, value: str) -> str:
+    """The target field line among 0-2 other fields, one format for the block."""
+    fmt = rng.choice(FIELD_FORMATS)
+    others = rng.sample([f for f in FIELDS if f != target], rng.randint(0, 2))
+    lines = [(target, value)] + [(f, rng.choice(FIELDS[f])) for f in others]
+    rng.shuffle(lines)
+    return "\n".join(fmt.format(f=f, v=v) for f, v in lines)
+
+
+def _policy(rng: random.Random, target: str, value: str) -> str:
+    return rng.choice(POLICIES).format(phrase=PHRASE[target], field=target, value=value)
+
+
+def _system_with(rng: random.Random, parts: list[str]) -> str:
+    fill = rng.sample(FILLERS, rng.randint(0, 2))
+    body = parts[:]
+    for f in fill:
+        body.insert(rng.randint(0, len(body)), f)
+    base = SYSTEM_PROMPTS[0] if rng.random() < 0.6 else rng.choice(SYSTEM_PROMPTS[1:])
+    return base + "".join("\n" + b for b in body)
+
+
+def build(rng: random.Random, qtype: str, *, level: float = 1.0, easy_size: int = 112, draw: Drawer = flat,
+          before: int | None = None, filler_types: dict[str, float] | None = None) -> Episode:
+    """One episode whose last answer is a ``qtype`` question.
+
+    ``before``: image Q/A turns drawn before the task's own turns (default 0-2); ``filler_types``
+    weights their question types (default: the nine single-image types evenly)."""
+    if qtype not in ALL_TYPES:
+        raise ValueError(f"unknown task type {qtype!r}; expected one of {ALL_TYPES}")
+    n_before = rng.randint(0, 2) if before is None else before
+    fillers = filler_types or {t: 1.0 for t in D.TYPES}
+    if qtype in TEXT_TYPES:  # no other refund policy (an image gate's) between the policy and its question
+        fillers = {t: w for t, w in fillers.items() if not t.startswith("gate")} or {"color": 1.0}
+
+    def filler(chat: _Chat) -> None:
+        t = rng.choices(list(fillers), weights=list(fillers.values()))[0]
+        scene, q, a = D.make_item(rng, t, level=level, easy_size=easy_size)
+        chat.turn(q, a, scene)
+
+    def item(t: str):
+        return D.make_item(rng, t, level=level, easy_size=easy_size)
+
+    if qtype in IMAGE_TYPES:
+        chat = _Chat(SYSTEM_PROMPTS[0] if rng.random() < 0.7 else rng.choice(SYSTEM_PROMPTS[1:]), draw, rng)
+        for _ in range(n_before):
+            filler(chat)
+        scene, q, a = item(qtype)
+        chat.turn(q, a, scene)
+        return chat.episode(qtype)
+
+    if qtype in TWO_IMAGE_TYPES:
+        chat = _Chat(SYSTEM_PROMPTS[0] if rng.random() < 0.7 else rng.choice(SYSTEM_PROMPTS[1:]), draw, rng)
+        for _ in range(n_before):
+            filler(chat)
+        want = rng.random() < 0.5
+        if qtype == "same_color":
+            first, q1, a1 = item("color")
+            while True:
+                second, _, a2 = item("color")
+                if (a2 == a1) == want:
+                    break
+            chat.turn(q1, a1, first)
+            chat.turn(Q_SAME_COLOR, "yes" if want else "no", second)
+        else:
+            while True:  # (a first image of four shapes cannot be outnumbered: draw both again)
+                first, q1, a1 = item("count")
+                second, _, a2 = item("count")
+                n1, n2 = D.NUMBERS.index(a1), D.NUMBERS.index(a2)
+                if n1 != n2 and (n2 > n1) == want:
+                    break
+            chat.turn(q1, a1, first)
+            chat.turn(Q_MORE_SHAPES, "this" if want else "previous", second)
+        return chat.episode(qtype)
+
+    target = rng.choice(list(FIELDS))
+    values = FIELDS[target]
+    required = rng.choice(values)
+
+    if qtype == "field_gate":
+        actual = required if rng.random() < 0.5 else rng.choice([v for v in values if v != required])
+        block = _field_block(rng, target, actual)
+        in_system = rng.random() < 0.65
+        parts = [_policy(rng, target, required)] + ([block] if in_system else [])
+        if rng.random() < 0.3:
+            parts.reverse()
+        chat = _Chat(_system_with(rng, parts), draw, rng)
+        for _ in range(n_before):
+            filler(chat)
+        q = Q_REFUND if in_system else block + "\n" + Q_REFUND
+        chat.turn(q, "refund" if actual == required else "escalate")
+        return chat.episode(qtype)
+
+    if qtype == "erratum_gate":
+        k = rng.randint(1, 3)
+        final = required if rng.random() < 0.5 else rng.choice([v for v in values if v != required])
+        seq = [final]  # values from the last back to the first; each differs from the next
+        for _ in range(k):
+            seq.append(rng.choice([v for v in values if v != seq[-1]]))
+        seq.reverse()  # seq[0]: the field line; seq[1:]: the errata in order
+        parts = [_policy(rng, target, required), _field_block(rng, target, seq[0])]
+        chat = _Chat(_system_with(rng, parts), draw, rng)
+        for _ in range(n_before):
+            filler(chat)
+
+        def verdict(v: str) -> str:
+            return "refund" if v == required else "escalate"
+
+        if rng.random() < 0.6:
+            chat.turn(Q_REFUND, verdict(seq[0]))
+        i = 1
+        while i < len(seq):
+            lines = [erratum_line(target, seq[i])]
+            if i + 1 < len(seq) and rng.random() < 0.3:  # two errata in one turn: the later one wins
+                i += 1
+                lines.append(erratum_line(target, seq[i]))
+            if rng.random() < 0.2:  # an erratum of another field changes nothing here
+                other = rng.choice([f for f in FIELDS if f != target])
+                lines.insert(rng.randint(0, len(lines)), erratum_line(other, rng.choice(FIELDS[other])))
+            if rng.random() < 0.25 and i < len(seq) - 1:
+                filler(chat)
+            chat.turn("\n".join(lines) + "\n" + rng.choice((Q_AGAIN, Q_REFUND)), verdict(seq[i]))
+            i += 1
+        return chat.episode(qtype)
+
+    # field_image_gate: the light's colour and the field's value must both match
+    case = rng.choice(("both", "both", "both", "light", "field", "neither"))
+    color_ok, field_ok = case in ("both", "field"), case in ("both", "light")
+    gate = rng.choice(("gate_plain", "gate_logo", "gate_scene"))
+    scene, _, _ = item(gate)
+    light = next(o.color for o in scene.objects if o.role == "light")
+    asked = light if color_ok else rng.choice([c for c in D.COLORS if c != light])
+    actual = required if field_ok else rng.choice([v for v in values if v != required])
+    block = _field_block(rng, target, actual)
+    in_system = rng.random() < 0.65
+    chat = _Chat(_system_with(rng, [block] if in_system else []), draw, rng)
+    for _ in range(n_before):
+        filler(chat)
+    q = Q_FIELD_IMAGE.format(color=asked, phrase=PHRASE[target], value=required)
+    chat.turn(q if in_system else block + "\n" + q, "refund" if case == "both" else "escalate", scene)
+    return chat.episode(qtype)
+
+
+def corpus() -> list[str]:
+    """Text of the new tasks (for a tokenizer built from scratch)."""
+    out = [Q_REFUND, Q_AGAIN, Q_SAME_COLOR, Q_MORE_SHAPES, D.Q_DESCRIBE, *FILLERS]
+    for f, vs in FIELDS.items():
+        for v in vs:
+            out += [p.format(phrase=PHRASE[f], field=f, value=v) for p in POLICIES]
+            out += [fmt.format(f=f, v=v) for fmt in FIELD_FORMATS]
+            out.append(erratum_line(f, v))
+            out.append(Q_FIELD_IMAGE.format(color="red", phrase=PHRASE[f], value=v))
+    return out
+
+
+def ask(model, processor, ep: Episode, max_new_tokens: int | None = None) -> str:
+    """The model's greedy answer to the episode's last question (plain transformers, full recompute)."""
+    import torch
+
+    text = processor.apply_chat_template(ep.prompt_messages(), tokenize=False, add_generation_prompt=True)
+    enc = processor(text=[text], images=ep.images or None, return_tensors="pt").to(model.device)
+    n = max_new_tokens or (16 if ep.type == "describe" else 3)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=n, do_sample=False)
+    return processor.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+# ----------------------------------------------------------------------------- the committed split
+
+#: The committed conversation split's types: what the single-image set (dataset.py) cannot ask.
+SPLIT_TYPES: tuple[str, ...] = ("describe",) + TWO_IMAGE_TYPES + TEXT_TYPES
+CATEGORY = {"describe": "multi_token", "same_color": "two_image", "more_shapes": "two_image",
+            "field_gate": "text_field", "erratum_gate": "erratum", "field_image_gate": "text_field"}
+
+
+def episode_seed(seed: int, qtype: str, index: int) -> int:
+    """Integer seeds, like the single-image set's (training uses string seeds: they never meet)."""
+    return seed * 1_000_003 + 500_000 + ALL_TYPES.index(qtype) * 10_007 + index
+
+
+def write_split(out, seed: int, per_type: int) -> list[dict]:
+    """Write ``episodes.jsonl`` and exact palette PNGs; each line holds the chat with image paths."""
+    import json
+    from pathlib import Path
+
+    out = Path(out)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for qtype in SPLIT_TYPES:
+        for i in range(per_type):
+            ep = build(random.Random(episode_seed(seed, qtype, i)), qtype)
+            eid = f"{qtype}-{i:03d}"
+            paths = []
+            for k, img in enumerate(ep.images):
+                rel = f"images/{eid}-{k}.png"
+                D.to_palette_png(img, out / rel)
+                paths.append(rel)
+            msgs, it = [], iter(paths)
+            for m in ep.prompt_messages():
+                parts = [{"type": "image", "image": next(it)} if p["type"] == "image" else p for p in m["content"]]
+                msgs.append({"role": m["role"], "content": parts})
+            rows.append({"id": eid, "type": qtype, "category": CATEGORY[qtype], "messages": msgs,
+                         "answer": ep.answer, "scenes": [s.to_json() for s in ep.scenes]})
+    with open(out / "episodes.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r, sort_keys=True) + "\n")
+    meta = {"seed": seed, "per_type": per_type, "n": len(rows), "types": list(SPLIT_TYPES),
+            "generator": f"python -m mmkv.vqa_eval.episodes --out {out} --seed {seed} --per-type {per_type}"}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    return rows
+
+
+def load_split(path) -> list[Episode]:
+    """The committed episodes (images loaded as RGB), each ending with its asked question's answer."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    p = p / "episodes.jsonl" if p.is_dir() else p
+    eps = []
+    for line in p.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        images, msgs = [], []
+        for m in r["messages"]:
+            parts = []
+            for part in m["content"]:
+                if part["type"] == "image":
+                    with Image.open(p.parent / part["image"]) as im:
+                        images.append(im.convert("RGB"))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append(part)
+            msgs.append({"role": m["role"], "content": parts})
+        msgs.append({"role": "assistant", "content": [{"type": "text", "text": r["answer"]}]})
+        ep = Episode(r["type"], msgs, images, [], [r["answer"]])
+        ep.id = r["id"]  # type: ignore[attr-defined]
+        eps.append(ep)
+    return eps
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="write the committed conversation split (multi-token, two-image, "
+                                             "text-field and erratum episodes)")
+    ap.add_argument("--out", default="samples/vqa/episodes")
+    ap.add_argument("--seed", type=int, default=2026)
+    ap.add_argument("--per-type", type=int, default=40)
+    args = ap.parse_args(argv)
+    rows = write_split(args.out, args.seed, args.per_type)
+    print(f"wrote {len(rows)} episodes to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
