@@ -1,5 +1,5 @@
-"""`mmkv eval`: the VQA agreement evaluation, its stress grid and the errata task (registered in
-mmkv/cli.py)."""
+"""`mmkv eval`: the VQA agreement evaluation, its stress grid, the errata task and the episodes task
+(registered in mmkv/cli.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-TASKS = ("agreement", "errata")
+TASKS = ("agreement", "errata", "episodes")
 
 
 def _split(values: list[str] | None) -> list[str]:
@@ -18,7 +18,8 @@ def _split(values: list[str] | None) -> list[str]:
 def eval_command(
     model_dir: Annotated[Path | None, typer.Argument(
         show_default=False, help="Local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint dir. Default: the bundled model.")] = None,
-    task: Annotated[str, typer.Option(help="agreement (splice vs full recompute) or errata (edit policies).")]
+    task: Annotated[str, typer.Option(help="agreement (splice vs full recompute), errata (edit policies) or "
+                                           "episodes (multi-token, two-image, text-field and erratum episodes).")]
     = "agreement",
     grid: Annotated[bool, typer.Option("--grid", help="agreement task: the stress grid instead of the main run.")]
     = False,
@@ -35,7 +36,8 @@ def eval_command(
                                                      "decomposition.")] = True,
     k: Annotated[list[str] | None, typer.Option("--k", help="errata: K values for selective@K.")] = None,
     out: Annotated[Path, typer.Option(help="Where report.json, report.md and the plot go.")] = Path("eval-out"),
-    max_new_tokens: Annotated[int, typer.Option(help="Greedy answer length cap.")] = 6,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Greedy answer length cap. Default: 6, episodes 16 "
+                                                              "(describe's answers run to 12 tokens).")] = None,
     device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1, ...")] = None,
     dtype: Annotated[str | None, typer.Option(help="float32, bfloat16, float16.")] = None,
     threads: Annotated[int, typer.Option(help="CPU threads for torch; 0 = torch's default. Tiny models on a "
@@ -72,9 +74,13 @@ def eval_command(
         if task not in TASKS:
             raise ValueError(f"--task must be one of {', '.join(TASKS)}")
         engine = Engine.from_pretrained(model_dir, dtype=dtype, device=device, anchor=anchor)
-        common = dict(set_dir=set_dir, limit=limit or None, seed=seed, out=out, max_new_tokens=max_new_tokens,
-                      engine=engine)
-        if task == "errata":
+        common = dict(set_dir=set_dir, limit=limit or None, seed=seed, out=out,
+                      max_new_tokens=max_new_tokens or (16 if task == "episodes" else 6), engine=engine)
+        if task == "episodes":
+            from mmkv.vqa_eval.episodes_eval import run_episodes
+
+            report = run_episodes(model_dir, **common)
+        elif task == "errata":
             from mmkv.vqa_eval.errata import run_errata
 
             ks = [int(x) for x in _split(k)] or None
