@@ -60,6 +60,8 @@ WARM_TYPES = ("color", "shape", "count")
 #: Turns per conversation (one count per batch): mostly single questions, some long histories.
 TURN_WEIGHTS = {1: 0.55, 2: 0.2, 3: 0.15, 4: 0.1}
 IGNORE = -100
+#: Types whose episodes run to several hundred tokens: batched apart from the rest (padding).
+LONG_TYPES = ("erratum_gate",)
 
 
 def tokenizer_corpus() -> list[str]:
@@ -73,7 +75,25 @@ def tokenizer_corpus() -> list[str]:
         out.append(scaffold.format(s=SYSTEM_PROMPTS[k % len(SYSTEM_PROMPTS)], q=D.all_questions()[k % 10], a=answers[k % len(answers)]))
         out.extend(D.all_questions())
         out.extend(answers)
-    return out
+    return out + E.corpus() * 10  # field lines, policies, errata and the new questions stay short
+
+
+#: The proxy (``--size proxy``, Qwen2.5-VL only): a real model's position scheme at a trainable size.
+#: rope_theta 1e6 with head_dim 64 and mrope sections [8, 12, 12] (Qwen2.5-VL's [16, 24, 24] halved:
+#: the real proportions), 8 LM layers, images of 64-256 tokens (224^2 to 448^2 pixels).
+PROXY_GRID = dict(factor=28, min_pixels=224 * 224, max_pixels=448 * 448)
+
+
+def proxy_overrides() -> dict:
+    """LM 8 layers x 256 (4 heads of 64, 2 KV heads, MLP 768, rope_theta 1e6, mrope [8, 12, 12]);
+    vision 4 blocks x 128 with windowed attention in blocks 0 and 2 (window 112 px), like the real tower."""
+    rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [8, 12, 12]}
+    vision = dict(depth=4, hidden_size=128, intermediate_size=384, num_heads=2, out_hidden_size=256,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                  fullatt_block_indexes=[1, 3])
+    text = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=64, rope_parameters=rope, max_position_embeddings=32768)
+    return {"text": text, "vision": vision}
 
 
 def model_overrides(family: str) -> dict:
@@ -165,11 +185,11 @@ def find_subseq(seq: list[int], pat: list[int]) -> list[int]:
 
 
 class Batcher:
-    def __init__(self, processor, family: str):
+    def __init__(self, processor, family: str, factor: int | None = None):
         self.proc = processor
         self.tok = processor.tokenizer
         self.family = family
-        self.easy_size = GRID[family]["factor"] * 4
+        self.easy_size = (factor or GRID[family]["factor"]) * 4
         self.asst = self.tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
         self.im_end = self.tok.convert_tokens_to_ids("<|im_end|>")
 
@@ -192,6 +212,13 @@ class Batcher:
         texts, images = [], []
         turns = [n for n in TURN_WEIGHTS if n <= max_turns]
         n_turns = rng.choices(turns, weights=[TURN_WEIGHTS[n] for n in turns])[0]  # one count per batch: little padding
+        types = TYPE_WEIGHTS if types is None else types
+        long = {t: w for t, w in types.items() if t in LONG_TYPES and w > 0}
+        if long:  # the long episodes get batches of their own (padding), with at most one earlier turn
+            if rng.random() < sum(long.values()) / sum(types.values()):
+                types, n_turns = long, min(n_turns, 2)
+            else:
+                types = {t: w for t, w in types.items() if t not in LONG_TYPES}
         for _ in range(size):
             msgs, imgs, _ = conversation(rng, level, self.easy_size, n_turns, types=types, bias=bias, style=style)
             texts.append(self.proc.apply_chat_template(msgs, tokenize=False))
@@ -257,6 +284,8 @@ def save(model, processor, out: Path, state: dict) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="train a tiny Qwen-VL on the synthetic VQA task")
     ap.add_argument("--family", choices=sorted(GRID), required=True)
+    ap.add_argument("--size", choices=("tiny", "proxy"), default="tiny",
+                    help="proxy: Qwen2.5-VL with a real position scheme (PROXY_GRID, proxy_overrides)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--minutes", type=float, default=None, help="wall-clock budget")
@@ -308,7 +337,9 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
-    grid = GRID[args.family]
+    if args.size == "proxy" and args.family != "qwen2_5_vl":
+        ap.error("--size proxy is a Qwen2.5-VL model: use --family qwen2_5_vl")
+    grid = PROXY_GRID if args.size == "proxy" else GRID[args.family]
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     out = Path(args.out)
@@ -319,7 +350,8 @@ def main(argv=None) -> None:
     else:
         tokenizer = tiny.build_tokenizer(tokenizer_corpus(), vocab_size=512)
         processor = tiny.build_processor(args.family, tokenizer, grid["min_pixels"], grid["max_pixels"])
-        config = tiny.tiny_config(args.family, tokenizer, **model_overrides(args.family))
+        over = proxy_overrides() if args.size == "proxy" else model_overrides(args.family)
+        config = tiny.tiny_config(args.family, tokenizer, **over)
         model = AutoModelForImageTextToText.from_config(config)
     model.to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -329,7 +361,7 @@ def main(argv=None) -> None:
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
-    batcher = Batcher(processor, args.family)
+    batcher = Batcher(processor, args.family, grid["factor"])
     warm_types = {t: weights[t] for t in WARM_TYPES}
     style = Style(p=args.style_p, jpeg=args.jpeg)
     val = heldout(args.val_per_type, args.seed, [t for t, w in weights.items() if w > 0], n_style=args.val_style)
@@ -353,7 +385,7 @@ def main(argv=None) -> None:
         return min(p, 1.0)
 
     def state(final: bool) -> dict:
-        return {"family": args.family, "seed": args.seed, "steps": step, "batch": args.batch, "lr": args.lr,
+        return {"family": args.family, "size": args.size, "seed": args.seed, "steps": step, "batch": args.batch, "lr": args.lr,
                 "minutes_budget": args.minutes, "steps_budget": args.steps, "elapsed_s": round(time.time() - t0, 1),
                 "threads": args.threads, "device": args.device, "type_weights": weights, "params": n_params, "final": final, "loss_ema": ema,
                 "max_pixels": grid["max_pixels"], "min_pixels": grid["min_pixels"],
