@@ -8,10 +8,17 @@ per second and p50 / p90 TTFT, for the server with `--max-batch 8` (batched) and
 4 long decodes run. Arms alternate round by round; each cell is the median over `--rounds`. The
 clients run in a separate process, so their JSON parsing does not compete with the server for
 the interpreter.
+
+`--mode prefill` (chunked prefill): one stream decodes; once it has its first tokens a request
+with a long prompt (`--prompt-tokens`, text, no prefix-cache hit) arrives. For the server with
+prefills whole (`--prefill-chunk 0`) and chunked (`--prefill-chunk`), the table gives the decoding
+stream's largest gap between two tokens while the long prompt is prefilled (and its usual gap)
+and the long request's TTFT, with the ratio of chunked to whole.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import socket
@@ -25,15 +32,18 @@ from typing import Annotated
 import typer
 
 
-def _server(engine, max_batch: int):
+def _server(engine, max_batch: int, prefill_chunk: int | None = None):
+    """The app on a loopback port in this process; `prefill_chunk` None: the server's default."""
     import uvicorn
 
     from mmkv.server.app import ServerSettings, create_app
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, ServerSettings(max_batch=max_batch)),
-                                           log_level="warning"))
+    settings = ServerSettings(max_batch=max_batch)
+    if prefill_chunk is not None:  # 0: prefills whole
+        settings = dataclasses.replace(settings, prefill_chunk=prefill_chunk)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, settings), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
@@ -72,9 +82,49 @@ def _run_clients(url: str, bodies: list[dict]) -> dict:
     return {"wall": time.perf_counter() - t0, "results": out}
 
 
-def _spawn(url: str, bodies: list[dict]) -> subprocess.Popen:
-    code = ("import json, sys; from mmkv.bench_concurrency import _run_clients; "
-            "url, bodies = json.load(sys.stdin); print(json.dumps(_run_clients(url, bodies)))")
+def _token_times(url: str, body: dict, out: dict, started: threading.Event, after: int) -> None:
+    """One streamed chat: perf_counter time of each content event in out["times"]; `started` is set
+    once `after` of them arrived."""
+    import httpx
+
+    out["sent"], out["times"] = time.perf_counter(), []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices") and event["choices"][0]["delta"].get("content"):
+                out["times"].append(time.perf_counter())
+                if len(out["times"]) == after:
+                    started.set()
+    started.set()
+
+
+def _run_stall(url: str, bodies: list[dict]) -> dict:
+    """In the client process: the decoding stream, then the long prompt once the stream has 8
+    tokens. The stream's largest gap between tokens from the long request's arrival to its first
+    token, the stream's median gap before it, and the long request's TTFT."""
+    stream, long_ = {}, {}
+    going = threading.Event()
+    first = threading.Thread(target=_token_times, args=(url, bodies[0], stream, going, 8))
+    first.start()
+    going.wait()
+    second = threading.Thread(target=_token_times, args=(url, bodies[1], long_, threading.Event(), 1))
+    second.start()
+    second.join()
+    first.join()
+    arrived, ttft_at = long_["sent"], long_["times"][0]
+    times = stream["times"]
+    before = [b - a for a, b in zip(times, times[1:]) if b <= arrived]
+    around = [t for t in times if t <= arrived][-1:] + [t for t in times if arrived < t <= ttft_at] + \
+        [t for t in times if t > ttft_at][:1]  # the stream's tokens from the arrival to just after the TTFT
+    return {"gap": max(b - a for a, b in zip(around, around[1:])), "usual": statistics.median(before),
+            "ttft": ttft_at - arrived}
+
+
+def _spawn(url: str, bodies: list[dict], run: str = "_run_clients") -> subprocess.Popen:
+    code = (f"import json, sys; from mmkv.bench_concurrency import {run}; "
+            f"url, bodies = json.load(sys.stdin); print(json.dumps({run}(url, bodies)))")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     proc.stdin.write(json.dumps([url, bodies]))
     proc.stdin.close()
@@ -99,20 +149,17 @@ def _body(engine, tokens: int, i: int) -> dict:
             "messages": [{"role": "user", "content": f"request {i} : describe the image . " * 2}]}
 
 
-def bench_concurrency_command(
-    model_dir: Annotated[str | None, typer.Argument(help="Checkpoint dir; default: the built-in config.")] = None,
-    config: Annotated[str, typer.Option(help="Random model when no MODEL_DIR: bench (140M) or tiny.")] = "bench",
-    tokens: Annotated[int, typer.Option(help="Completion tokens per request.")] = 32,
-    rounds: Annotated[int, typer.Option(help="Rounds; arms alternate within each.")] = 3,
-    threads: Annotated[int, typer.Option(help="torch threads.")] = 2,
-) -> None:
-    """Aggregate tokens/s and TTFT for 1, 4 and 8 clients, batched vs serial, in one run."""
-    import torch
+def _long_body(engine, prompt_tokens: int, tag: str) -> dict:
+    """A streamed chat whose prompt is about `prompt_tokens` tokens of text, `tag` first (so no
+    two share a prefix-cache block past the template's header); two completion tokens."""
+    unit = " describe the image ."
+    reps = max(prompt_tokens // len(engine.adapter.tokenizer(unit)["input_ids"]), 1)
+    body = _body(engine, 2, 0)
+    body["messages"] = [{"role": "user", "content": f"{tag} :" + unit * reps}]
+    return body
 
-    from mmkv.bench_run import build_engine
 
-    torch.set_num_threads(threads)
-    engine = build_engine(config, model_dir, "cpu", None, 64)
+def _clients_table(engine, tokens: int, rounds: int) -> list[str]:
     servers = {arm: _server(engine, batch) for arm, batch in (("batched", 8), ("serial", 1))}
     cells: dict[tuple[str, int], list] = {}
     short: dict[tuple[str, str], list] = {}
@@ -134,25 +181,83 @@ def bench_concurrency_command(
                 short.setdefault((arm, "alone"), []).append(alone)
                 short.setdefault((arm, "busy"), []).append(busy)
     finally:
-        for server, thread, _ in servers.values():
-            server.should_exit = True
-            thread.join(10)
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {threads} threads, "
-          f"model {model_dir or config} ({engine.adapter.num_layers} layers), {tokens} tokens per request, "
-          f"median of {rounds} rounds, HTTP on loopback, clients in another process")
-    print(f"{'clients':>7} {'arm':>8} {'tokens/s':>9} {'vs 1 client':>12} {'p50 TTFT ms':>12} {'p90 TTFT ms':>12}")
+        _stop(servers)
+    lines = [f"{'clients':>7} {'arm':>8} {'tokens/s':>9} {'vs 1 client':>12} {'p50 TTFT ms':>12} {'p90 TTFT ms':>12}"]
     for n in (1, 4, 8):
         for arm in servers:
             rates = [r for r, _ in cells[(arm, n)]]
             ttfts = sorted(t for _, ts in cells[(arm, n)] for t in ts)
             base = statistics.median(r for r, _ in cells[(arm, 1)])
             p90 = ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))]
-            print(f"{n:>7} {arm:>8} {statistics.median(rates):>9.1f} {statistics.median(rates) / base:>11.2f}x "
-                  f"{statistics.median(ttfts) * 1e3:>12.0f} {p90 * 1e3:>12.0f}")
+            lines.append(f"{n:>7} {arm:>8} {statistics.median(rates):>9.1f} {statistics.median(rates) / base:>11.2f}x "
+                         f"{statistics.median(ttfts) * 1e3:>12.0f} {p90 * 1e3:>12.0f}")
     for arm in servers:
         alone, busy = statistics.median(short[(arm, "alone")]), statistics.median(short[(arm, "busy")])
-        print(f"short request TTFT, {arm}: alone {alone * 1e3:.0f} ms, with 4 long decodes running "
-              f"{busy * 1e3:.0f} ms ({busy / alone:.2f}x)")
+        lines.append(f"short request TTFT, {arm}: alone {alone * 1e3:.0f} ms, with 4 long decodes running "
+                     f"{busy * 1e3:.0f} ms ({busy / alone:.2f}x)")
+    return lines
+
+
+def _prefill_table(engine, prompt_tokens: int, chunk: int, rounds: int) -> list[str]:
+    arms = {"whole": 0, f"chunk {chunk}": chunk}
+    servers = {arm: _server(engine, 8, c) for arm, c in arms.items()}
+    cells: dict[str, list[dict]] = {}
+    try:
+        for arm in servers:  # warm-up
+            _clients(servers[arm][2], [_body(engine, 4, 0)])
+        for r in range(rounds):
+            for arm, (_, _, url) in servers.items():
+                bodies = [_body(engine, 64, r), _long_body(engine, prompt_tokens, f"long {r} {arm}")]
+                cells.setdefault(arm, []).append(_collect(_spawn(url, bodies, "_run_stall")))
+    finally:
+        _stop(servers)
+    lines = [f"{'prefill':>10} {'usual gap ms':>13} {'largest gap ms':>15} {'long TTFT ms':>13} {'TTFT vs whole':>14}"]
+    whole = statistics.median(c["ttft"] for c in cells["whole"])
+    for arm in servers:
+        med = {k: statistics.median(c[k] for c in cells[arm]) for k in ("usual", "gap", "ttft")}
+        lines.append(f"{arm:>10} {med['usual'] * 1e3:>13.0f} {med['gap'] * 1e3:>15.0f} {med['ttft'] * 1e3:>13.0f} "
+                     f"{med['ttft'] / whole:>13.2f}x")
+    return lines
+
+
+def _stop(servers: dict) -> None:
+    for server, thread, _ in servers.values():
+        server.should_exit = True
+        thread.join(10)
+
+
+def bench_concurrency_command(
+    model_dir: Annotated[str | None, typer.Argument(help="Checkpoint dir; default: the built-in config.")] = None,
+    config: Annotated[str, typer.Option(help="Random model when no MODEL_DIR: bench (140M) or tiny.")] = "bench",
+    tokens: Annotated[int, typer.Option(help="Completion tokens per request.")] = 32,
+    rounds: Annotated[int, typer.Option(help="Rounds; arms alternate within each.")] = 3,
+    threads: Annotated[int, typer.Option(help="torch threads.")] = 2,
+    mode: Annotated[str, typer.Option(help="clients (N clients, batched vs serial), prefill (a long prompt "
+                                           "beside a decoding stream, whole vs chunked) or all.")] = "all",
+    prompt_tokens: Annotated[int, typer.Option(help="--mode prefill: the long prompt's tokens.")] = 2048,
+    prefill_chunk: Annotated[int, typer.Option(min=1, help="--mode prefill: the chunked arm's chunk.")] = 512,
+) -> None:
+    """Aggregate tokens/s and TTFT for 1, 4 and 8 clients, batched vs serial, and a decoding
+    stream's stall behind a long prefill, whole vs chunked; each in one run."""
+    import torch
+
+    from mmkv.bench_run import build_engine
+
+    if mode not in ("clients", "prefill", "all"):
+        raise typer.BadParameter("expected clients, prefill or all", param_hint="--mode")
+    torch.set_num_threads(threads)
+    engine = build_engine(config, model_dir, "cpu", None, 64)
+    tables = []
+    if mode in ("clients", "all"):
+        tables.append((f"{tokens} tokens per request", _clients_table(engine, tokens, rounds)))
+    if mode in ("prefill", "all"):
+        tables.append((f"one stream decoding, a {prompt_tokens}-token prompt arrives",
+                       _prefill_table(engine, prompt_tokens, prefill_chunk, rounds)))
+    for what, lines in tables:
+        print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {threads} threads, "
+              f"model {model_dir or config} ({engine.adapter.num_layers} layers), {what}, "
+              f"median of {rounds} rounds, HTTP on loopback, clients in another process")
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":

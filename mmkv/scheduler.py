@@ -1,4 +1,4 @@
-"""Continuous batching: one loop owns the decoding of every running request.
+"""Continuous batching: one loop owns the prefill and the decoding of every admitted request.
 
 A request is waiting, then prefilling, then running (decoding in the batch). Each turn of the
 loop (nano-vllm's schedule -> run -> postprocess):
@@ -143,7 +143,6 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="mmkv-scheduler", daemon=True)
         self.decode_steps = 0
         self.decoded_tokens = 0  # rows summed over steps: decoded_tokens / decode_steps = mean batch
-        self.prefill_forwards = 0  # prefill chunks run (one per whole prefill when not chunked)
 
     def start(self) -> Scheduler:
         self._thread.start()
@@ -247,7 +246,6 @@ class Scheduler:
                 return
             with self.engine._lock:
                 done = run.prefill(self.prefill_chunk or None)
-            self.prefill_forwards += 1
             if not done:
                 return
             self._prefilling = None
