@@ -144,6 +144,8 @@ def test_two_engines_share_uploads_skills_and_kv(model_dir, tmp_path, master):
         with pytest.raises(UnknownImageError):  # another tenant
             b.generate(ask(image_id), max_new_tokens=1, tenant="t2")
         assert b.list_skills("t2") == []
+        secret = a.tiers.tenant_secret()  # API keys map to the same tenants on both servers
+        assert b.tiers.tenant_secret() == secret and len(secret) == 32
         # a delete on A purges the store; B drops its own copies on its next reference
         a.remove_image(image_id, tenant="t1")
         a.remove_skill(skill_id, tenant="t1")
