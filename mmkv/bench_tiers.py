@@ -84,9 +84,11 @@ def run(model_dir: str | None, size: int, repeats: int, redis_url: str | None,
                 if tier.startswith("recompute"):
                     tiers.purge(stored_key)
 
+            store = tiers.store
+
             def store_in_line(key, chunk) -> None:  # the write before the first token, as it was
-                tiers.writer.submit(key, chunk)
-                tiers.writer.flush()
+                store(key, chunk)
+                tiers.flush()
 
             rows = [t for t in ("ram", "disk", shared, "recompute", "recompute+write", "full")
                     if t != shared or tiers.shared is not None]

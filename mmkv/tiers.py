@@ -3,8 +3,8 @@ for the engine.
 
 `load` is asked only after a RAM miss: the disk tier first, then the shared tier (a shared hit is
 also written to disk). `store` queues a freshly precompiled chunk for the background writer
-(mmkv/tier_writer.py), which writes it through to every tier off the request path; `flush` waits
-for it. `purge` removes a chunk from every tier (a queued write of it is taken back first). Every stored entry is checked on load (chunk_codec): a bad one
+(mmkv/tier_writer.py), which writes it through to every tier off the request path (a shared hit's
+copy to disk goes the same way); `flush` waits for them. `purge` removes a chunk from every tier (a queued write of it is taken back first). Every stored entry is checked on load (chunk_codec): a bad one
 is deleted from its tier, counted as corrupt and treated as a miss, so the caller recomputes it
 from the stored image bytes or skill text; it is never spliced. A tier that fails (disk error,
 Redis down) is a miss too: a request never fails because a lower tier did.
@@ -37,7 +37,7 @@ from mmkv.durable_registry import DurableRegistry
 from mmkv.mooncake_tier import MooncakeTier, load_store_class, split_address
 from mmkv.redis_tier import RedisTier
 from mmkv.shared_tier import SharedTier
-from mmkv.tier_writer import TierWriter
+from mmkv.tier_writer import TierWriter, Write
 
 log = logging.getLogger("mmkv.tiers")
 MODEL_FILE = "MODEL"  # the fingerprint a store directory belongs to
@@ -129,10 +129,9 @@ class Tiers:
 
     def __post_init__(self):
         self.counts = TierCounts({t: TierCounters() for t in ("disk", self.shared_name)})
-        # The writer's function holds what it writes to, not this Tiers: collecting it (or the
+        # The writes queued hold what they write to, not this Tiers: collecting it (or the
         # interpreter's exit) flushes the writer and releases the lock and the client (_finish).
-        self.writer = TierWriter(functools.partial(_write_through, self.disk, self.shared, self.fingerprint, self.counts),
-                                 self.config.write_queue_bytes)
+        self.writer = TierWriter(self.config.write_queue_bytes)
         self._finalizer = weakref.finalize(self, _finish, self.writer, self.shared, self.lock_fd)
 
     @property
@@ -197,15 +196,17 @@ class Tiers:
                 self._count(tier, misses=1, corrupt=1)
                 continue
             self._count(tier, hits=1, bytes_read=len(data), load_s=time.perf_counter() - t0)
-            if tier != "disk" and self.disk is not None:
-                self._write("disk", key, data)
+            if tier != "disk" and self.disk is not None:  # kept on disk too, off the request path
+                self.writer.submit(key, Write(len(data), functools.partial(
+                    _write, self.disk, self.shared, self.counts, "disk", key, data)))
             return chunk, tier
         return None
 
     def store(self, key: str, chunk: CachedChunk) -> None:
         """Queue a freshly computed chunk for the background writer (never blocks; a full queue
         drops the write and counts it)."""
-        self.writer.submit(key, chunk)
+        self.writer.submit(key, Write(chunk.nbytes, functools.partial(
+            _write_through, self.disk, self.shared, self.fingerprint, self.counts, key, chunk)))
 
     def purge(self, key: str) -> None:
         self.writer.cancel(key)  # a queued write must not bring it back after the delete
@@ -214,9 +215,6 @@ class Tiers:
 
     def _read(self, tier: str, key: str) -> bytes | None:
         return self.disk.get(key) if tier == "disk" else self.shared.kv_get(key)
-
-    def _write(self, tier: str, key: str, data: bytes) -> None:
-        _write(self.disk, self.shared, self.counts, tier, key, data)
 
     def _delete(self, tier: str, key: str) -> None:
         if tier == "disk":

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import threading
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch
 import mmkv.tiers
 from conftest import make_png
 from mmkv.engine import Engine
-from mmkv.tier_writer import TierWriter
+from mmkv.tier_writer import TierWriter, Write
 
 QUESTION = "What colour is the rectangle?"
 
@@ -37,28 +36,26 @@ def model_dir(tiny_dirs):
 
 
 class Gate:
-    """A write function that blocks until opened, recording what it was asked to write."""
+    """Holds `writer`'s writes until opened, recording the keys written."""
 
-    def __init__(self, write=None):
-        self.open, self.started, self.keys, self.write = threading.Event(), threading.Event(), [], write
+    def __init__(self, writer: TierWriter):
+        self.open, self.started, self.keys, self.execute = threading.Event(), threading.Event(), [], writer._execute
+        writer._execute = self
 
-    def __call__(self, key, chunk):
+    def __call__(self, key, write):
         self.started.set()
         assert self.open.wait(60), "the gate was never opened"
         self.keys.append(key)
-        if self.write is not None:
-            self.write(key, chunk)
+        self.execute(key, write)
 
 
-@dataclass
-class Sized:
-    nbytes: int
+def sized(nbytes: int) -> Write:
+    return Write(nbytes, lambda: None)
 
 
 def test_answer_does_not_wait_and_the_write_lands(model_dir, tmp_path):
     engine = Engine.from_pretrained(model_dir, store_dir=tmp_path)
-    gate = Gate(engine.tiers.writer._write)
-    engine.tiers.writer._write = gate
+    gate = Gate(engine.tiers.writer)
     got = engine.generate(inline(1), max_new_tokens=2)  # a first-time image: precompiled, queued
     assert got.vision_tower_runs == 1 and got.finish_reason in ("stop", "length")
     assert gate.started.wait(30) and gate.keys == []  # answered while its write was still held
@@ -92,28 +89,28 @@ def test_failing_write_never_fails_the_request(model_dir, tmp_path, monkeypatch)
 
 
 def test_queue_bound_drops_and_counts_never_blocks():
-    gate = Gate()
-    writer = TierWriter(gate, bound_bytes=100)
-    assert writer.submit("a", Sized(60))
+    writer = TierWriter(bound_bytes=100)
+    gate = Gate(writer)
+    assert writer.submit("a", sized(60))
     assert gate.started.wait(10)  # "a" is in flight: it no longer counts against the bound
-    accepted = [writer.submit(k, Sized(40)) for k in "bcd"]  # b, c fit (80); d would make 120
+    accepted = [writer.submit(k, sized(40)) for k in "bcd"]  # b, c fit (80); d would make 120
     assert accepted == [True, True, False] and writer.dropped == 1 and writer.pending_bytes == 80
-    assert not writer.submit("e", Sized(101))  # larger than the bound: never fits
-    assert writer.submit("b", Sized(40))  # already queued: not twice
+    assert not writer.submit("e", sized(101))  # larger than the bound: never fits
+    assert writer.submit("b", sized(40))  # already queued: not twice
     gate.open.set()
     assert writer.flush(30)
     assert gate.keys == ["a", "b", "c"] and writer.written == 3 and writer.dropped == 2
     assert writer.peak_bytes <= 100 and writer.pending_bytes == 0
     writer.close()
-    assert not writer.submit("f", Sized(1)) and writer.dropped == 3  # closed: refused, counted
+    assert not writer.submit("f", sized(1)) and writer.dropped == 3  # closed: refused, counted
 
 
 def test_cancel_takes_back_a_queued_write_and_waits_for_one_in_flight():
-    gate = Gate()
-    writer = TierWriter(gate, bound_bytes=1000)
-    writer.submit("a", Sized(10))
+    writer = TierWriter(bound_bytes=1000)
+    gate = Gate(writer)
+    writer.submit("a", sized(10))
     assert gate.started.wait(10)
-    writer.submit("b", Sized(10))
+    writer.submit("b", sized(10))
     writer.cancel("b")  # queued: taken back, never written
     threading.Timer(0.2, gate.open.set).start()
     writer.cancel("a")  # in flight: returns only once it is written
@@ -123,8 +120,7 @@ def test_cancel_takes_back_a_queued_write_and_waits_for_one_in_flight():
 
 def test_delete_while_queued_leaves_nothing(model_dir, tmp_path):
     engine = Engine.from_pretrained(model_dir, store_dir=tmp_path)
-    gate = Gate(engine.tiers.writer._write)
-    engine.tiers.writer._write = gate
+    gate = Gate(engine.tiers.writer)
     image_id = engine.add_image(make_png(64, 48))
     engine.add_image(make_png(48, 64, seed=3))  # queued behind the first
     assert gate.started.wait(30)
