@@ -512,8 +512,8 @@ def write_set(out: Path, seed: int, per_type: int, style: str = "flat") -> list[
         for r in rows:
             f.write(json.dumps(r, sort_keys=True) + "\n")
     meta = {"seed": seed, "per_type": per_type, "n": len(rows), "types": list(TYPES),
-            "generator": "python -m mmkv.vqa_eval.dataset --out %s --seed %d --per-type %d" % (out, seed, per_type)
-            + (f" --style {style}" if style != "flat" else "")}
+            "generator": "python -m mmkv.vqa_eval.dataset --out samples/vqa%s --seed %d --per-type %d"
+            % ("" if style == "flat" else "/" + out.name, seed, per_type) + (f" --style {style}" if style != "flat" else "")}
     if style != "flat":
         meta["style"] = style
     (out / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")

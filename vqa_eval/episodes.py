@@ -327,7 +327,7 @@ def write_split(out, seed: int, per_type: int) -> list[dict]:
         for r in rows:
             f.write(json.dumps(r, sort_keys=True) + "\n")
     meta = {"seed": seed, "per_type": per_type, "n": len(rows), "types": list(SPLIT_TYPES),
-            "generator": f"python -m mmkv.vqa_eval.episodes --out {out} --seed {seed} --per-type {per_type}"}
+            "generator": f"python -m mmkv.vqa_eval.episodes --out samples/vqa/{out.name} --seed {seed} --per-type {per_type}"}
     (out / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return rows
 
