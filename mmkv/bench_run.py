@@ -417,7 +417,7 @@ def bench_copy(engine, entries: list, repeats: int) -> list[dict]:
     """GB/s of placing a cached chunk's KV (keys rotated by a constant position change, values
     copied) into a preallocated cache, against a plain clone of the same tensors; the placement
     also with the earlier three-pass elementwise rotation (`rotate_into_torch`), in the same run."""
-    from mmkv.rerotate import rotate_into_torch, rotation
+    from mmkv.rerotate import constant_delta, rotate_into_torch, rotation
     from mmkv.splice import Placement, place_chunk, preallocate
 
     ad = engine.adapter
@@ -427,16 +427,16 @@ def bench_copy(engine, entries: list, repeats: int) -> list[dict]:
         placement = Placement(7, entry, entry.position_ids + 37)
         layers = preallocate(ad, ad.new_cache(), 0, n + 7)
         nbytes = sum(t.numel() * t.element_size() for t in (*entry.keys, *entry.values))
-        turn = rotation((37, 37, 37), ad.rope)
 
         def splice():
             place_chunk(layers, placement, 0, n, ad.rope)
             return n
 
-        def before():
+        def before():  # place_chunk's steps, with the earlier rotation
+            turn = rotation(constant_delta(entry.position_ids, placement.target), ad.rope)
             for layer, k, v in zip(layers, entry.keys, entry.values):
-                rotate_into_torch(layer.keys[0, :, 7:7 + n], k, *turn)
-                layer.values[0, :, 7:7 + n].copy_(v)
+                rotate_into_torch(layer.keys[0, :, 7:7 + n], k[:, 0:n], *turn)
+                layer.values[0, :, 7:7 + n].copy_(v[:, 0:n])
             return n
 
         def clone():
