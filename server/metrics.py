@@ -37,15 +37,25 @@ _ENGINE_METRICS = {
     "prefix_blocks": ("mmkv:prefix_cache_blocks", "Prompt-prefix blocks cached.", "gauge"),
     "registered_images": ("mmkv:registered_images", "Images registered with the engine, all tenants.", "gauge"),
     "disk_bytes": ("mmkv:disk_tier_bytes", "Bytes of chunk KV in the disk tier.", "gauge"),
-    "redis_up": ("mmkv:redis_up", "1 while the shared tier (Redis) answers, 0 while degraded.", "gauge"),
-    "redis_errors": ("mmkv:redis_errors", "Shared-tier calls that failed (timeouts, connection errors).", "counter"),
-    "redis_call_s": ("mmkv:redis_call_seconds", "Total latency of the shared-tier calls that answered.", "counter"),
-    "redis_calls": ("mmkv:redis_calls", "Shared-tier calls that answered.", "counter"),
+    **{f"{b}_{k}": (f"mmkv:{b}_{m}", doc.format(store=store), kind)
+       for b, store in (("redis", "Redis"), ("mooncake", "Mooncake Store"))
+       for k, m, doc, kind in (
+           ("up", "up", "1 while the shared tier ({store}) answers, 0 while degraded.", "gauge"),
+           ("errors", "errors", "Shared-tier ({store}) calls that failed (timeouts, connection errors).", "counter"),
+           ("call_s", "call_seconds", "Total latency of the shared-tier ({store}) calls that answered.", "counter"),
+           ("calls", "calls", "Shared-tier ({store}) calls that answered.", "counter"),
+           ("skipped", "skipped", "Shared-tier ({store}) calls skipped while degraded.", "counter"))},
+    "tier_write_queue_bytes": ("mmkv:tier_write_queue_bytes", "Bytes of chunk KV waiting for the background tier "
+                               "writer.", "gauge"),
+    "tier_writes_dropped": ("mmkv:tier_writes_dropped", "Tier writes dropped because the writer's queue was full "
+                            "(recomputed later if needed).", "counter"),
+    "tier_writes_failed": ("mmkv:tier_writes_failed", "Tier writes that failed (counted, never a request error).",
+                           "counter"),
     "registry_corrupt": ("mmkv:registry_corrupt", "Stored upload / skill records or blobs dropped as corrupt.",
                          "counter"),
 }
 
-# Per tier (label tier = ram / disk / redis): engine.stats() key "<tier>_<key>" -> (metric, help).
+# Per tier (label tier = ram / disk / redis / mooncake): engine.stats() key "<tier>_<key>" -> (metric, help).
 _TIER_METRICS = {
     "hits": ("mmkv:tier_hits", "Chunk lookups answered by this tier."),
     "misses": ("mmkv:tier_misses", "Chunk lookups this tier could not answer."),
@@ -72,7 +82,7 @@ class _EngineStatsCollector:
                      "ram_misses": stats.get("image_cache_misses", 0) + stats.get("skill_cache_misses", 0)}
         for key, (name, doc) in _TIER_METRICS.items():
             family = CounterMetricFamily(name, doc, labels=["tier"])
-            for tier in ("ram", "disk", "redis"):
+            for tier in ("ram", "disk", "redis", "mooncake"):
                 if f"{tier}_{key}" in stats:
                     family.add_metric([tier], float(stats[f"{tier}_{key}"]))
             yield family

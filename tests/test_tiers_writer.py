@@ -129,3 +129,21 @@ def test_delete_while_queued_leaves_nothing(model_dir, tmp_path):
     engine.close()
     assert len(list((tmp_path / "kv").glob("*/*.safetensors"))) == 1  # only the second image's KV
     assert engine.stats()["disk_entries"] == 1
+
+
+def test_metrics_show_every_shared_backend_and_the_writer_queue():
+    """/metrics exports the Mooncake tier like the Redis one, and the background writer's queue."""
+    from prometheus_client import generate_latest
+
+    from mmkv.server.metrics import ServerMetrics
+
+    stats = {"mooncake_up": 0, "mooncake_errors": 3, "mooncake_calls": 7, "mooncake_call_s": 0.5, "mooncake_skipped": 2,
+             "mooncake_hits": 4, "disk_hits": 1, "tier_write_queue_bytes": 4096, "tier_writes_dropped": 5,
+             "tier_writes_failed": 6}
+    text = generate_latest(ServerMetrics(lambda: stats, lambda: 0).registry).decode()
+    for line in ("mmkv:mooncake_up 0.0", "mmkv:mooncake_errors_total 3.0", "mmkv:mooncake_skipped_total 2.0",
+                 'mmkv:tier_hits_total{tier="mooncake"} 4.0', 'mmkv:tier_hits_total{tier="disk"} 1.0',
+                 "mmkv:tier_write_queue_bytes 4096.0", "mmkv:tier_writes_dropped_total 5.0",
+                 "mmkv:tier_writes_failed_total 6.0"):
+        assert line in text.splitlines(), line
+    assert "mmkv:redis_up" not in text  # a backend that is not configured shows nothing
