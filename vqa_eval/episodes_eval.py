@@ -19,7 +19,6 @@ intervals, TTFT medians.
 from __future__ import annotations
 
 import io
-import json
 import random
 import time
 from pathlib import Path
@@ -101,10 +100,9 @@ def run_episodes(model_dir: str | Path | None = None, set_dir: str | Path | None
               "n": len(rows), "arms": list(ARMS), "wall_s": round(time.perf_counter() - t0, 2),
               "agreement": _rate(sum(x["agree"] for x in allrecs), len(allrecs)), "summary": summary,
               "requests": rows}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "report.md").write_text(episodes_markdown(report))
+    from mmkv.vqa_eval.report import write_report_files
+
+    write_report_files(report, out, episodes_markdown(report))
     return report
 
 

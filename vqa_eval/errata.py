@@ -146,10 +146,9 @@ def run_errata(model_dir: str | Path | None = None, set_dir: str | Path | None =
         "seeds": list(range(seed, seed + seeds)), "n": len(rows), "arms": arms, "ks": ks,
         "wall_s": round(time.perf_counter() - t0, 2), "summary": summarize_errata(rows, arms), "requests": rows,
     }
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "report.md").write_text(errata_markdown(report))
+    from mmkv.vqa_eval.report import write_report_files
+
+    write_report_files(report, out, errata_markdown(report))
     return report
 
 

@@ -257,15 +257,19 @@ def grid_plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_grid_reports(report: dict, out: Path) -> None:
+def write_report_files(report: dict, out: str | Path, text: str) -> None:
+    """report.json (every figure) and report.md (``text``) into ``out`` (made if missing)."""
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "report.md").write_text(grid_markdown(report))
+    (out / "report.md").write_text(text)
+
+
+def write_grid_reports(report: dict, out: Path) -> None:
+    write_report_files(report, out, grid_markdown(report))
     grid_plot(report, out / "grid.png")
 
 
 def write_reports(report: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "report.md").write_text(markdown(report))
+    write_report_files(report, out, markdown(report))
     plot(report, out / "agreement.png")
