@@ -125,9 +125,20 @@ def model_overrides(family: str) -> dict:
 SKEW = {"red": 0.85, "green": 0.15, "blue": 0.7, "yellow": 0.3}
 
 
-def accept_probability(qtype: str, scene, question: str, answer: str, bias: float) -> float:
-    """Rejection-sampling weight that makes P(positive answer | key colour) = 0.5 + bias * (SKEW - 0.5)."""
-    if qtype.startswith("gate"):
+#: The same for the text gates, per field value: each value of a field's pool skews the answer.
+SKEW_VALUE = {v: (0.85, 0.15, 0.7, 0.3, 0.6)[i] for vs in E.FIELDS.values() for i, v in enumerate(vs)}
+
+
+def accept_probability(qtype: str, scene, question: str, answer: str, bias: float,
+                       gate: dict[str, str] | None = None) -> float:
+    """Rejection-sampling weight that makes P(positive answer | key) = 0.5 + bias * (SKEW - 0.5); the
+    keys are the light's and the asked colour (image gates), the first colour (left_of), the needed
+    and the current field value (text gates, from ``gate``)."""
+    skew = SKEW
+    if gate:
+        skew = SKEW_VALUE
+        keys, positive = (gate["required"], gate["value"]), answer == "refund"
+    elif qtype.startswith("gate"):
         light = next(o.color for o in scene.objects if o.role == "light")
         asked = next(c for c in D.COLORS if question == D.Q_GATE.format(color=c))
         keys, positive = (light, asked), answer == "refund"
@@ -137,8 +148,8 @@ def accept_probability(qtype: str, scene, question: str, answer: str, bias: floa
         return 1.0
     w = 1.0
     for k in keys:
-        pk = 0.5 + bias * (SKEW[k] - 0.5)
-        w *= (pk if positive else 1 - pk) / max(SKEW.values())
+        pk = 0.5 + bias * (skew[k] - 0.5)
+        w *= (pk if positive else 1 - pk) / max(skew.values())
     return w
 
 
@@ -170,10 +181,11 @@ def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int,
     while True:
         ep = E.build(rng, qtype, level=level, easy_size=easy_size, draw=style.drawer(), before=n_turns - 1,
                      filler_types=singles)
-        if bias <= 0 or qtype not in D.TYPES:
+        if bias <= 0 or (qtype not in D.TYPES and not ep.gate):
             break
         q = ep.messages[-2]["content"][-1]["text"]
-        if rng.random() < accept_probability(qtype, ep.scenes[-1], q, ep.answer, bias):
+        scene = ep.scenes[-1] if ep.scenes else None
+        if rng.random() < accept_probability(qtype, scene, q, ep.answer, bias, ep.gate):
             break
     return ep.messages, ep.images, ep.answers
 

@@ -197,3 +197,17 @@ def test_committed_heldout_style_split_regenerates(tmp_path):
     with Image.open(HELDOUT / "images" / "color-000.png") as im:
         styled = np.asarray(im.convert("RGB")).astype(int)
     assert np.abs(flat - styled).mean() > 2
+
+
+def test_text_gates_record_what_decides_them():
+    """`Episode.gate` (what the training skew keys on) names the field, the needed and the current value."""
+    for qtype in E.TEXT_TYPES:
+        for i in range(60):
+            ep = E.build(random.Random(f"g-{qtype}-{i}"), qtype)
+            g = ep.gate
+            assert g["required"] in E.FIELDS[g["field"]] and g["value"] in E.FIELDS[g["field"]]
+            if qtype != "field_image_gate":
+                assert (ep.answer == "refund") == (g["value"] == g["required"])
+            elif g["value"] != g["required"]:
+                assert ep.answer == "escalate"
+    assert not E.build(random.Random(0), "color").gate

@@ -87,6 +87,8 @@ class Episode:
     images: list[Image.Image] = field(default_factory=list)
     scenes: list[D.Scene] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)  # every assistant answer, in order
+    #: text gates: the field, the value the policy needs and the value current at the last question
+    gate: dict[str, str] = field(default_factory=dict)
 
     @property
     def answer(self) -> str:
@@ -116,8 +118,8 @@ class _Chat:
         self.ep_msgs.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
         self.answers.append(answer)
 
-    def episode(self, qtype: str) -> Episode:
-        return Episode(qtype, self.ep_msgs, self.images, self.scenes, self.answers)
+    def episode(self, qtype: str, **gate: str) -> Episode:
+        return Episode(qtype, self.ep_msgs, self.images, self.scenes, self.answers, gate)
 
 
 def _field_block(rng: random.Random, target: str, value: str) -> str:
@@ -211,7 +213,7 @@ def build(rng: random.Random, qtype: str, *, level: float = 1.0, easy_size: int 
             filler(chat)
         q = Q_REFUND if in_system else block + "\n" + Q_REFUND
         chat.turn(q, "refund" if actual == required else "escalate")
-        return chat.episode(qtype)
+        return chat.episode(qtype, field=target, required=required, value=actual)
 
     if qtype == "erratum_gate":
         k = rng.randint(1, 3)
@@ -243,7 +245,7 @@ def build(rng: random.Random, qtype: str, *, level: float = 1.0, easy_size: int 
                 filler(chat)
             chat.turn("\n".join(lines) + "\n" + rng.choice((Q_AGAIN, Q_REFUND)), verdict(seq[i]))
             i += 1
-        return chat.episode(qtype)
+        return chat.episode(qtype, field=target, required=required, value=final)
 
     # field_image_gate: the light's colour and the field's value must both match
     case = rng.choice(("both", "both", "both", "light", "field", "neither"))
@@ -260,7 +262,7 @@ def build(rng: random.Random, qtype: str, *, level: float = 1.0, easy_size: int 
         filler(chat)
     q = Q_FIELD_IMAGE.format(color=asked, phrase=PHRASE[target], value=required)
     chat.turn(q if in_system else block + "\n" + q, "refund" if case == "both" else "escalate", scene)
-    return chat.episode(qtype)
+    return chat.episode(qtype, field=target, required=required, value=actual)
 
 
 def corpus() -> list[str]:
