@@ -69,6 +69,36 @@ def test_prefix_key_carries_the_image_hash(engine):
     assert other_tenant.prefix_tokens_reused == 0
 
 
+def _block_keys_reference(token_ids, chunk_keys, salt, block=BLOCK_TOKENS):
+    """block_keys as first written (one hasher and one tensor per block): the stored meaning of a key."""
+    import xxhash
+
+    keys, parent, ids = [], xxhash.xxh3_128(salt.encode()).hexdigest(), token_ids.tolist()
+    for start in range(0, len(ids) - block + 1, block):
+        h = xxhash.xxh3_128(parent.encode())
+        h.update(torch.tensor(ids[start:start + block], dtype=torch.int64).numpy().tobytes())
+        h.update("\x1f".join(k or "" for k in chunk_keys[start:start + block]).encode())
+        parent = h.hexdigest()
+        keys.append((parent, frozenset(k for k in chunk_keys[start:start + block] if k)))
+    return keys
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_keys_equal_the_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(0, 300, (1,), generator=g))
+    ids = torch.randint(0, 150_000, (n,), generator=g, dtype=torch.int32 if seed % 2 else torch.int64)
+    chunk_keys, i = [], 0
+    while len(chunk_keys) < n:  # runs of text (None) and chunks, some ending inside a block, some on its edge
+        size = int(torch.randint(1, 40, (1,), generator=g)) if seed % 3 else 16 * int(torch.randint(1, 3, (1,), generator=g))
+        chunk_keys += [None if i % 2 == 0 else f"chunk-{i % 5}"] * size
+        i += 1
+    chunk_keys = chunk_keys[:n]
+    got = block_keys(ids, chunk_keys, f"salt-{seed}")
+    assert [(str(k), k.sources) for k in got] == _block_keys_reference(ids, chunk_keys, f"salt-{seed}")
+    assert len(got) == n // BLOCK_TOKENS
+
+
 def test_prefix_blocks_share_the_budget_and_evict_leaves_first(tiny_dirs):
     eng = Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], dtype=torch.float32, device="cpu", cache_bytes=60_000)
     for i in range(6):
