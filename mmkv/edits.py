@@ -249,23 +249,24 @@ def _final_turn_start(ids: np.ndarray, tt: TemplateTokens) -> int:
 
 def _substitution(new: TokenView, old: TokenView, max_tokens: int) -> tuple[int, int, int] | None:
     """(start, new_len, old_len): the smallest in-place substitution turning `old` into a prefix
-    of `new`, or None."""
+    of `new`, or None. For each old length y, the first new length x whose tokens match; the
+    smallest x + y wins (the first found among equals)."""
     start = new.common_prefix(old)
     if start >= len(old):
         return None  # `new` repeats or extends `old`: not a change
-    best = None
+    best, widths = None, np.arange(max_tokens + 1)
     for y in range(max_tokens + 1):
         rest = len(old) - start - y
-        if rest <= 0:
-            break
-        for x in range(max_tokens + 1):
-            end = start + x + rest
-            if not (x or y) or end > len(new) or new.ids[start + x] != old.ids[start + y] \
-                    or new.ids[end - 1] != old.ids[-1]:
-                continue  # cheap checks first: this runs on every request
+        if rest <= 0 or (best is not None and y >= best[1] + best[2]):
+            break  # no later y can give a smaller x + y
+        # cheap checks for every x at once (this runs on every request), then the full compare
+        xs = widths[(start + widths + rest <= len(new)) & ((widths > 0) | (y > 0))]
+        xs = xs[(new.ids[start + xs] == old.ids[start + y]) & (new.ids[start + xs + rest - 1] == old.ids[-1])]
+        for x in xs.tolist():
+            if best is not None and x + y >= best[1] + best[2]:
+                break
             if new.same(start + x, old, start + y, rest):
-                if best is None or x + y < best[1] + best[2]:
-                    best = (start, x, y)
+                best = (start, x, y)
                 break
     return best
 

@@ -339,3 +339,52 @@ def test_recent_prompts_keep_no_chunk_alive_and_are_counted(tiny_dirs):
     assert all(r() is None for r in refs), "a removed image's KV is still referenced"
     recent = eng.placer.recent
     assert len(recent) == 4 and 0 < recent.nbytes <= 4 * 4 * 200 + 4 * 2 * 64
+
+
+def _substitution_reference(new, old, max_tokens):
+    """mmkv.edits._substitution as first written (every (x, y) in turn): the rule's stored meaning."""
+    start = new.common_prefix(old)
+    if start >= len(old):
+        return None
+    best = None
+    for y in range(max_tokens + 1):
+        rest = len(old) - start - y
+        if rest <= 0:
+            break
+        for x in range(max_tokens + 1):
+            end = start + x + rest
+            if not (x or y) or end > len(new) or new.ids[start + x] != old.ids[start + y] \
+                    or new.ids[end - 1] != old.ids[-1]:
+                continue
+            if new.same(start + x, old, start + y, rest):
+                if best is None or x + y < best[1] + best[2]:
+                    best = (start, x, y)
+                break
+    return best
+
+
+def test_substitution_equals_the_reference_on_repetitive_prompts():
+    """Repetitive ids (a skill's repeated sentence) and spans make many candidate (x, y) pass the
+    cheap checks: the pruned search must pick the very substitution the exhaustive one does."""
+    import numpy as np
+
+    from mmkv.edits import TokenView, _substitution
+
+    rng = random.Random(13)
+    found = 0
+    for case in range(300):
+        period = rng.choice((1, 2, 3, 5, 7))
+        old_ids = [rng.randrange(4) for _ in range(period)] * rng.randint(4, 30)
+        old_ids = old_ids[:rng.randint(2, len(old_ids))]
+        at = rng.randrange(len(old_ids))
+        y, x = rng.randint(0, 4), rng.randint(0, 4)
+        new_ids = old_ids[:at] + [rng.randrange(5) for _ in range(x)] + old_ids[at + y:] + \
+            [rng.randrange(5) for _ in range(rng.randint(0, 3))]
+        spans = ((0, 2, "img", "image"),) if case % 4 == 0 and len(old_ids) > 3 and len(new_ids) > 3 else ()
+        old = TokenView(np.array(old_ids, dtype=np.int32), spans)
+        new = TokenView(np.array(new_ids, dtype=np.int32), spans if case % 8 else ())
+        for max_tokens in (2, 4, 16):
+            want = _substitution_reference(new, old, max_tokens)
+            assert _substitution(new, old, max_tokens) == want, (old_ids, new_ids, max_tokens)
+            found += want is not None
+    assert found > 200  # the cases exercise the search, not only its early exits
