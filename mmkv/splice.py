@@ -18,6 +18,7 @@ then, the pieces together equal the one forward (within float rounding).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -145,10 +146,65 @@ def splice_layout(placements: list[Placement], total: int, start: int, seam_toke
     return SpliceLayout(computed, reused)
 
 
-def preallocate(adapter: VLAdapter, cache: DynamicCache, start: int, total: int) -> list[SlotLayer]:
+POOL_BYTES = 256 << 20  # prompt-length KV buffers the pool keeps, in use and free together
+
+
+class SlotPool:
+    """Prompt-length KV buffers reused across requests, on CPU: a fresh buffer of a long prompt
+    costs a page fault on the first write to each of its pages (about as long as the splice copy
+    itself), a reused one does not. A buffer is handed out again only when nothing but the pool
+    holds its storage: no cache layer, view or slice of an earlier request is alive (its request's
+    cache was released), so two live requests never share one. At most `budget` bytes are kept,
+    buffers in use included; beyond that, or on another device, buffers are allocated fresh and
+    not kept. Thread-safe."""
+
+    def __init__(self, budget: int = POOL_BYTES):
+        self.budget = budget
+        self._kept: list[tuple[torch.Tensor, int]] = []  # (flat buffer, its storage's use count when only kept here)
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _uses(buf: torch.Tensor) -> int:
+        return torch._C._storage_Use_Count(buf.untyped_storage()._cdata)
+
+    def _free(self, buf: torch.Tensor, alone: int) -> bool:
+        return self._uses(buf) == alone
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b, _ in self._kept)
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer of `numel` elements (contents undefined): a free kept one of between
+        numel and 2 x numel elements, else a new one (kept if the budget allows)."""
+        need = numel * dtype.itemsize
+        if device.type != "cpu" or need > self.budget:
+            return torch.empty(numel, dtype=dtype, device=device)
+        with self._lock:
+            fits = [(b, a) for b, a in self._kept if b.dtype == dtype and numel <= b.numel() <= 2 * numel
+                    and self._free(b, a)]
+            if fits:
+                return min(fits, key=lambda f: f[0].numel())[0][:numel]
+            for b, a in list(self._kept):  # make room: the free buffers that fit nothing, oldest first
+                if self.nbytes + need <= self.budget:
+                    break
+                if self._free(b, a):
+                    self._kept.remove((b, a))
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            if self.nbytes + need <= self.budget:
+                self._kept.append((buf, self._uses(buf)))
+            return buf[:numel]
+
+
+SLOT_POOL = SlotPool()
+
+
+def preallocate(adapter: VLAdapter, cache: DynamicCache, start: int, total: int,
+                pool: SlotPool | None = SLOT_POOL) -> list[SlotLayer]:
     """Give every layer of `cache` (holding `start` tokens) a buffer for `total` tokens, the held
     KV copied to its front. Returns the new layers (also installed in `cache`). Layers that are
-    prompt-length already (PrefixCache.load wrote tokens [0, start) into them) are used as they are."""
+    prompt-length already (PrefixCache.load wrote tokens [0, start) into them) are used as they are.
+    The buffers are views of one block taken from `pool` (None: allocated fresh)."""
     held = cache.get_seq_length() if cache.layers else 0
     if start and held == total and all(isinstance(layer, SlotLayer) for layer in cache.layers[:adapter.num_layers]):
         return list(cache.layers[:adapter.num_layers])
@@ -157,10 +213,13 @@ def preallocate(adapter: VLAdapter, cache: DynamicCache, start: int, total: int)
     text = adapter.text_config
     heads = text.num_key_value_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    shape, per = (1, heads, total, head_dim), heads * total * head_dim
+    numel = 2 * adapter.num_layers * per
+    flat = (pool.take(numel, adapter.dtype, adapter.device) if pool is not None
+            else torch.empty(numel, dtype=adapter.dtype, device=adapter.device))
     layers = []
     for i in range(adapter.num_layers):
-        k = torch.empty(1, heads, total, head_dim, dtype=adapter.dtype, device=adapter.device)
-        v = torch.empty_like(k)
+        k, v = flat[2 * i * per:(2 * i + 1) * per].view(shape), flat[(2 * i + 1) * per:(2 * i + 2) * per].view(shape)
         if start:
             k[:, :, :start].copy_(cache.layers[i].keys)
             v[:, :, :start].copy_(cache.layers[i].values)

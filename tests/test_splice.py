@@ -160,3 +160,53 @@ def test_decoding_after_a_splice_appends(engine):
     a, b = ad.forward(token, step, got.cache), ad.forward(token, step, want_cache)
     assert got.cache.get_seq_length() == plan.input_ids.numel() + 1
     assert (a - b).abs().max().item() <= 1e-5
+
+
+def test_slot_pool_never_shares_a_live_buffer_and_reuses_a_released_one(engine):
+    """Two live caches never get one storage; a released cache's buffer comes back (its pages are
+    mapped already), unless a view of it is still alive; the kept bytes stay within the budget.
+    Spliced logits through reused buffers equal the fresh ones (no stale KV leaks in)."""
+    import gc
+
+    from mmkv.splice import SlotPool, preallocate
+
+    ad = engine.adapter
+    pool = SlotPool(budget=1 << 30)
+
+    def storage(cache):
+        return cache.layers[0].keys.untyped_storage().data_ptr()
+
+    a, b = ad.new_cache(), ad.new_cache()
+    preallocate(ad, a, 0, 40, pool)
+    preallocate(ad, b, 0, 40, pool)
+    assert storage(a) != storage(b)
+    first = storage(a)
+    del a
+    gc.collect()
+    c = ad.new_cache()
+    preallocate(ad, c, 0, 36, pool)  # fits the released 40-token buffer
+    assert storage(c) == first and storage(c) != storage(b)
+    view = c.layers[-1].values[:, :, :2]  # a slice outlives its cache: the buffer is not free
+    del c
+    gc.collect()
+    d = ad.new_cache()
+    preallocate(ad, d, 0, 40, pool)
+    assert storage(d) not in (first, storage(b))
+    del view
+    per_cache = pool.nbytes // 3
+    small = SlotPool(budget=2 * per_cache)
+    live = [ad.new_cache() for _ in range(4)]
+    for cache in live:
+        preallocate(ad, cache, 0, 40, small)
+    assert small.nbytes <= 2 * per_cache and len({storage(x) for x in live}) == 4
+
+    msgs = [{"role": "system", "content": "be brief ."}, {"role": "user", "content": [
+        {"type": "text", "text": "look at this one"}, _img(engine, 3), {"type": "text", "text": "and its shape"}]}]
+    plan = engine.splice_plan(msgs)
+    runs = []
+    for _ in range(3):  # the second and third turn run in the first one's released buffer
+        r = prefill_spliced(ad, plan.input_ids, plan.positions, plan.placements, 1)
+        runs.append((r.logits.clone(), storage(r.cache)))
+        del r
+        gc.collect()
+    assert runs[1][1] == runs[0][1] and torch.equal(runs[1][0], runs[0][0]) and torch.equal(runs[2][0], runs[0][0])
