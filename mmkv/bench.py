@@ -13,10 +13,14 @@ Arms, each timed up to the turn's next-token logits:
 - mmkv splice k=0 / k=1: prefix KV + the cached chunk rotated into place + one forward of the
   new tokens (seam k);
 - engine (reuse): `Engine.generate` TTFT of the same turn end to end (template, tokenizer,
-  hashing, prefix-cache lookup and insert included);
+  hashing, edit detection, prefix-cache lookup included), its CPU time also to the first token;
+  the prefix-cache insert runs after that token and is printed on its own;
 - text-only turn: the same number of new tokens after a text context of the same length, served
   the same way (prefix KV copied in, one forward);
 - limit: one forward of exactly the splice's new tokens over KV already in place (nothing copied).
+
+Under each image and skill table: tokens/s of 16 greedy decode steps after a splice k=1 of the
+turn and after a full prefill of the same prompt, interleaved.
 
 The agent mode replays a seeded multi-turn session (new screenshots, earlier ones shown again,
 a spliced skill, errata) and sums each arm's TTFT over its turns: full recompute, exact-prefix
@@ -56,10 +60,15 @@ def format_table(t: dict) -> str:
               f"{r['pct_of_limit']:.0f}% | {r['computed_tokens']} | {r['vision_runs']} |" for r in t["rows"]]
     cpu = {r["arm"]: r["cpu_ms"] for r in t["rows"]}
     fast = next(a for a in ("mmkv splice k=1", "mmkv erratum (appended)") if a in cpu)
+    after = {r["arm"]: r.get("after_first_token_cpu_ms", 0.0) for r in t["rows"]}
     lines.append(f"\n{fast} / text-only turn: {cpu[fast] / cpu['text-only turn']:.2f}x"
                  + (f"; engine (reuse) / text-only turn: {cpu['engine (reuse)'] / cpu['text-only turn']:.2f}x"
-                    if "engine (reuse)" in cpu else "") + "\n")
-    return "\n".join(lines)
+                    f" (its CPU time to the first token; the prefix-cache insert after it: "
+                    f"{after['engine (reuse)']:.1f} ms)" if "engine (reuse)" in cpu else ""))
+    if d := t.get("decode"):
+        lines.append(f"decode, {d['steps']} greedy steps (CPU time): {d['full_tokens_s']:.1f} tokens/s after a full "
+                     f"prefill, {d['splice_tokens_s']:.1f} after a splice k=1 ({d['splice_over_full']:.2f}x)")
+    return "\n".join(lines) + "\n"
 
 
 def format_copy(rows: list[dict]) -> str:

@@ -19,6 +19,7 @@ from PIL import Image, ImageDraw
 from mmkv.bench import CONFIGS
 
 FAST_SAMPLES = 5  # per round, for the arms that compute only the new tokens
+DECODE_STEPS = 16  # greedy decode steps timed after a prefill
 BLOCK = 16  # exact-prefix caching reuses whole blocks of this many tokens (vLLM's default)
 SEAM = 1
 
@@ -99,6 +100,7 @@ class Sample:
     cpu_s: float  # CPU time of this process meanwhile, all threads
     tokens: int  # LM tokens computed
     prompt_tokens: int = 0  # engine arms: the prompt the engine prefilled
+    after_s: float = 0.0  # engine arms: CPU time after the first token (the prefix-cache insert), not in cpu_s
 
 
 @dataclass
@@ -123,6 +125,7 @@ class Row:
     vision_runs: int
     speedup_vs_full: float | None = None
     pct_of_limit: float | None = None
+    after_first_token_cpu_ms: float = 0.0  # engine arms: the prefix-cache insert, after the TTFT (not in cpu_ms)
 
 
 @dataclass
@@ -132,6 +135,7 @@ class Table:
     prompt_tokens: int
     rows: list[Row] = field(default_factory=list)
     notes: dict = field(default_factory=dict)
+    decode: dict = field(default_factory=dict)  # `decode_after_prefill`'s figures (image and skill cases)
 
 
 def _sync() -> None:
@@ -150,17 +154,31 @@ def timed(fn: Callable[[], int]) -> Callable[[], Sample]:
     return run
 
 
-def engine_sample(generate: Callable[[], object]) -> Sample:
-    """An Engine.generate call (one new token): its TTFT, its CPU time, its computed tokens."""
+def first_token(engine, messages, **kwargs) -> tuple[object, float, float]:
+    """`Engine.generate(messages, max_new_tokens=1, **kwargs)` step by step as it runs: (result,
+    CPU seconds to the first token, CPU seconds of the work after it: the prefix-cache insert).
+    TTFT is time to the first token, so the engine arms' CPU time stops there too."""
     c0 = time.process_time()
-    r = generate()
-    return Sample(r.ttft_s, time.process_time() - c0, r.lm_tokens_computed, r.usage.prompt_tokens)
+    run = engine.start(messages, max_new_tokens=1, **kwargs)
+    with engine._lock:  # as `generate` holds it
+        run.prefill()
+        run.stream.step(run.first_logits)
+    c1 = time.process_time()
+    run.first_token_out()
+    return run.result(), c1 - c0, time.process_time() - c1
+
+
+def engine_sample(engine, messages, **kwargs) -> Sample:
+    """One engine turn (`first_token`): its TTFT, its CPU time to that token, its computed tokens."""
+    r, cpu_s, after_s = first_token(engine, messages, **kwargs)
+    return Sample(r.ttft_s, cpu_s, r.lm_tokens_computed, r.usage.prompt_tokens, after_s)
 
 
 def rows_of(names: list[str], samples: dict[str, list[Sample]], vision: dict[str, int]) -> list[Row]:
     return [Row(n, statistics.median(s.wall_s * 1e3 for s in samples[n]), statistics.median(s.cpu_s * 1e3 for s in samples[n]),
                 [s.wall_s * 1e3 for s in samples[n]], [s.cpu_s * 1e3 for s in samples[n]], samples[n][-1].tokens,
-                vision.get(n, 0)) for n in names]
+                vision.get(n, 0), after_first_token_cpu_ms=statistics.median(s.after_s * 1e3 for s in samples[n]))
+            for n in names]
 
 
 def interleave(arms: list[Arm], repeats: int) -> list[Row]:
@@ -294,7 +312,7 @@ def chunk_arms(engine, messages: Callable[[int], list], text: TextContext, visio
                                        start=hit).computed_tokens
 
     def engine_turn() -> Sample:
-        return engine_sample(lambda: engine.generate(messages(next(counter)), max_new_tokens=1, tenant=tenant))
+        return engine_sample(engine, messages(next(counter)), tenant=tenant)
 
     counter = iter(range(1, 1 << 30))
     q = splice(SEAM)()
@@ -307,6 +325,40 @@ def chunk_arms(engine, messages: Callable[[int], list], text: TextContext, visio
         ("mmkv splice k=0", timed(splice(0))), ("mmkv splice k=1", timed(splice(1))), ("engine (reuse)", engine_turn),
         ("text-only turn", text.text_only(n, q)), ("limit", text.limit(n, q)))]
     return arms, {"prefix_hit_tokens": hit, "chunk_tokens": entry.num_tokens, "new_tokens": q}
+
+
+def decode_after_prefill(engine, plan, repeats: int, steps: int = DECODE_STEPS) -> dict:
+    """Tokens/s of `steps` greedy decode steps (the engine's: one token a forward, its KV appended
+    to the cache) after a splice k=1 of the turn and after a full prefill of the same prompt,
+    interleaved; each sample prefills afresh, untimed."""
+    from mmkv.splice import prefill_full, prefill_spliced
+
+    ad = engine.adapter
+    ids, feats = plan.input_ids, plan.chunk_features()
+
+    def decode(prefill: Callable[[], object], first_position: int) -> Callable[[], Sample]:
+        def run() -> Sample:
+            r = prefill()
+            token = int(r.logits[0].argmax())
+            _sync()
+            t0, c0 = time.perf_counter(), time.process_time()
+            for i in range(steps):
+                position = torch.full((3, 1), first_position + i, dtype=torch.long)
+                token = int(ad.forward(torch.tensor([token]), position, r.cache)[0].argmax())
+            _sync()
+            return Sample(time.perf_counter() - t0, time.process_time() - c0, steps)
+        return run
+
+    full, splice = "after full prefill", "after splice k=1"
+    rows = {r.arm: r for r in interleave([
+        Arm(full, decode(lambda: prefill_full(ad, ids, plan.native_positions, feats),
+                         int(plan.native_positions.max()) + 1)),
+        Arm(splice, decode(lambda: prefill_spliced(ad, ids, plan.positions, plan.placements, SEAM),
+                           int(plan.positions.max()) + 1))], repeats)}
+    rate = {arm: steps / (r.cpu_ms / 1e3) for arm, r in rows.items()}
+    return {"steps": steps, "full_tokens_s": rate[full], "splice_tokens_s": rate[splice],
+            "splice_over_full": rate[splice] / rate[full], "full_ms": rows[full].ms, "splice_ms": rows[splice].ms,
+            "runs_cpu_ms": {arm: r.runs_cpu_ms for arm, r in rows.items()}}
 
 
 # ---- modes ------------------------------------------------------------------------------------------
@@ -345,7 +397,7 @@ def bench_image(engine, tokens: int, repeats: int, text: TextContext) -> Table:
     arms, notes = chunk_arms(engine, messages, text, vision, tenant)
     n = engine.prompt_ids(messages(0), tenant=tenant).numel()
     table = Table("image", f"image, {notes['chunk_tokens'] - 2} tokens", n, same_as_full(interleave(arms, repeats)),
-                  notes)
+                  notes, decode_after_prefill(engine, engine.splice_plan(messages(0), tenant=tenant), repeats))
     return finish(table, "full recompute", "limit")
 
 
@@ -367,7 +419,8 @@ def bench_skill(engine, tokens: int, repeats: int, text: TextContext) -> Table:
 
     arms, notes = chunk_arms(engine, messages, text, None, tenant)
     n = engine.prompt_ids(messages(0), tenant=tenant).numel()
-    table = Table("skill", f"skill, {notes['chunk_tokens']} tokens", n, same_as_full(interleave(arms, repeats)), notes)
+    table = Table("skill", f"skill, {notes['chunk_tokens']} tokens", n, same_as_full(interleave(arms, repeats)), notes,
+                  decode_after_prefill(engine, engine.splice_plan(messages(0), tenant=tenant), repeats))
     return finish(table, "full recompute", "limit")
 
 
@@ -389,8 +442,7 @@ def bench_errata(engine, policy_tokens: int, turns: int, text: TextContext) -> T
         return msgs
 
     def turn(t: int, erratum: bool, reuse: bool, tenant: str) -> Sample:
-        return engine_sample(lambda: engine.generate(conversation(t, erratum), max_new_tokens=1, reuse=reuse,
-                                                     tenant=tenant))
+        return engine_sample(engine, conversation(t, erratum), reuse=reuse, tenant=tenant)
 
     names = ["full recompute", "exact-prefix caching (field edited in place)", "mmkv erratum (appended)",
              "text-only turn", "limit"]
@@ -667,16 +719,16 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
 
 def _mmkv_turn(engine, msgs, tenant: str, new_png: bytes | None) -> dict:
     """One mmkv turn: the new screenshot uploaded (vision tower, isolated prefill), then
-    `Engine.generate`; its time is the upload's plus the generation's TTFT."""
+    `Engine.generate` (`first_token`); its time is the upload's plus the generation's TTFT."""
     c0 = time.process_time()
     before = engine.stats()["prefill_tokens"]
     t0 = time.perf_counter()
     if new_png is not None:
         engine.add_image(new_png, tenant=tenant)
-    upload_s = time.perf_counter() - t0
+    upload_s, upload_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     precompiled = engine.stats()["prefill_tokens"] - before
-    r = engine.generate(msgs, max_new_tokens=1, tenant=tenant)
-    return {"ms": (upload_s + r.ttft_s) * 1e3, "cpu_ms": (time.process_time() - c0) * 1e3,
+    r, cpu_s, _ = first_token(engine, msgs, tenant=tenant)
+    return {"ms": (upload_s + r.ttft_s) * 1e3, "cpu_ms": (upload_cpu_s + cpu_s) * 1e3,
             "computed_tokens": r.lm_tokens_computed + precompiled, "vision_runs": r.vision_tower_runs + int(bool(new_png)),
             "reused_tokens": r.usage.cached_tokens}
 

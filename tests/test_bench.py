@@ -124,3 +124,21 @@ def test_full_size_config_refused_when_memory_is_short(monkeypatch):
         bench_run.build_engine("qwen2.5-vl-7b", None, "cpu", None, 256)
     result = CliRunner().invoke(app, ["bench", "--config", "qwen3-vl-8b", "--modes", "nope"])
     assert result.exit_code == 2 and "unknown nope" in result.output
+
+
+@pytest.mark.parametrize("mode", ["image", "skill"])
+def test_decode_after_splice_and_full_prefill(report, mode):
+    table = next(t for t in report["tables"] if t["mode"] == mode)
+    d = table["decode"]
+    assert d["steps"] == 16 and d["full_tokens_s"] > 0 and d["splice_tokens_s"] > 0
+    assert d["splice_over_full"] == pytest.approx(d["splice_tokens_s"] / d["full_tokens_s"])
+    for arm, runs in d["runs_cpu_ms"].items():
+        assert len(runs) == 1, arm
+
+
+def test_engine_arm_stops_its_cpu_time_at_the_first_token(report):
+    """The prefix-cache insert runs after the first token (Run.first_token_out): the engine arm's
+    CPU time excludes it and reports it on its own; the mechanism arms have nothing after."""
+    skill = _rows(next(t for t in report["tables"] if t["mode"] == "skill"))
+    assert skill["engine (reuse)"]["after_first_token_cpu_ms"] > 0
+    assert skill["limit"]["after_first_token_cpu_ms"] == skill["mmkv splice k=1"]["after_first_token_cpu_ms"] == 0
