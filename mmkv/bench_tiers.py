@@ -71,9 +71,9 @@ def run(model_dir: str | None, size: int, repeats: int, redis_url: str | None,
             tiers = engine.tiers
             shared = tiers.shared_name
             image_id = engine.add_image(_picture(size))
-            reg = engine._images[("", image_id)]
-            ram_key = engine._image_key(reg, "")
-            stored_key = engine._durable_key("image", image_source_digest(reg.source), "")
+            reg = engine.registry.images[("", image_id)]
+            ram_key = engine.registry.image_key(reg, "")
+            stored_key = engine.registry.durable_key("image", image_source_digest(reg.source), "")
             messages = [{"role": "user", "content": [{"type": "image_file", "image_file": {"file_id": image_id}},
                                                      {"type": "text", "text": "Describe the picture."}]}]
 

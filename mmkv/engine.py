@@ -1,5 +1,5 @@
-"""The engine: one model, its image and skill registries, the KV store (image and skill chunks,
-prefix blocks) and generation with reuse.
+"""The engine: one model, its image and skill registries (mmkv.registry), the KV store (image and
+skill chunks, prefix blocks) and generation with reuse.
 
 Life of a request (docs/structure.md): parse messages -> decode/hash images -> render the chat
 template -> lookup each chunk's KV (precompile on a miss) -> reposition -> prefix-cache lookup
@@ -12,49 +12,36 @@ prepares images (decode, hash, resize) in a thread pool before they reach it.
 
 from __future__ import annotations
 
-import logging
 import re
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import xxhash
-from PIL import Image
 from transformers import DynamicCache
-from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from mmkv.adapters import ImageFeatures, VLAdapter, load_adapter
-from mmkv.chunks import CachedChunk, chunk_cache_key
+from mmkv.chunks import CachedChunk
 from mmkv.edits import parse_edit_policy
-from mmkv.fingerprint import content_digest, durable_key, image_source_digest, model_fingerprint
-from mmkv.errors import (
-    ImageStoreFullError,
-    ImageTooLargeError,
-    InvalidRequestError,
-    MMKVError,
-    ModelLoadError,
-    PromptTooLongError,
-    UnknownImageError,
-    UnknownSkillError,
-)
+from mmkv.fingerprint import model_fingerprint
+from mmkv.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from mmkv.hub import resolve_model
-from mmkv.images import DEFAULT_MAX_IMAGE_PIXELS, PreparedImage, decode_image
+from mmkv.images import DEFAULT_MAX_IMAGE_PIXELS, PreparedImage
 from mmkv.kv_store import KVStore
-from mmkv.messages import ImageRef, SkillRef, check_unicode, parse_messages
+from mmkv.messages import parse_messages
 from mmkv.prefix_cache import PrefixCache
 from mmkv.rerotate import POLICIES, target_positions
 from mmkv.decode import DecodeStream
 from mmkv.sampling import SamplingParams, TokenLogprob, TokenTexts
 from mmkv.tools import ContentFilter, ToolCall, ToolSpec, check_tools, template_supports_tools
 from mmkv.place import EditReport, KVPlacer
-from mmkv.splice import Placement, PrefillResult, precompile_chunk, precompile_image, prefill_full
+from mmkv.registry import ImageInfo, Registries, RegisteredImage, Skill, SkillInfo, check_skill
+from mmkv.registry import image_id_for  # noqa: F401  re-exported: mmkv.bench_run imports it from here
+from mmkv.splice import Placement, PrefillResult, prefill_full
 from mmkv.tiers import StoreConfig, Tiers, digest_cache_path
 
-log = logging.getLogger("mmkv.engine")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_MODEL = REPO_ROOT / "samples" / "models" / "qwen2_5_vl-tiny"
 ANCHORS = ("system", "none")
@@ -106,23 +93,6 @@ def check_policy(value) -> str:
     if value not in POLICIES:
         raise InvalidRequestError(f"rope_policy must be one of {', '.join(POLICIES)}", param="rope_policy")
     return value
-
-
-@dataclass(frozen=True)
-class ImageInfo:
-    image_id: str
-    width: int
-    height: int
-    image_tokens: int  # image-pad tokens the LM sees for it
-    nbytes: int  # bytes of the source it was decoded from (0 for a PIL image)
-
-
-@dataclass(frozen=True)
-class SkillInfo:
-    skill_id: str
-    name: str
-    tokens: int
-    created_at: int
 
 
 @dataclass
@@ -243,36 +213,8 @@ class SplicePlan:
 
 
 @dataclass
-class _Registered:
-    """A registered image: its compact source (counted in the image store) and, until its first
-    vision-tower run, that run's input. Never the full-resolution RGB."""
-
-    content_hash: str
-    width: int  # of the original
-    height: int
-    source_bytes: int
-    source: bytes | Image.Image  # the encoded upload, or an RGB of at most max_pixels
-    source_nbytes: int
-    grid_thw: tuple[int, int, int]
-    pixel_values: torch.Tensor | None  # dropped once encoded; remade from `source` after an eviction
-    uploaded: bool  # added by add_image (kept until removed); else inline, released when its request ends
-
-    @classmethod
-    def of(cls, image: PreparedImage, uploaded: bool) -> _Registered:
-        return cls(image.content_hash, image.width, image.height, image.source_bytes, image.source,
-                   image.source_nbytes, image.grid_thw, image.pixel_values, uploaded)
-
-
-@dataclass
-class _Skill:
-    info: SkillInfo
-    token_ids: torch.Tensor
-
-
-@dataclass
 class _Counters:
-    vision_tower_runs: int = 0
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # LM forwards of requests (precompiles: Registries.precompiled_tokens)
     reused_tokens: int = 0
     requests: int = 0
 
@@ -294,10 +236,6 @@ def _check_rendered(template: list[dict], text: str) -> None:
             cursor = at + len(piece)
 
 
-def image_id_for(content_hash: str) -> str:
-    return f"img-{content_hash}"
-
-
 class Engine:
     def __init__(self, adapter: VLAdapter, settings: EngineSettings | None = None, model_id: str | None = None,
                  store: StoreConfig | None = None):
@@ -306,11 +244,7 @@ class Engine:
         self.model_id = model_id or adapter.config.name_or_path or adapter.family
         self.cache = KVStore(self.settings.cache_bytes)
         self.prefix = PrefixCache(self.cache)
-        self._images: dict[tuple[str, str], _Registered] = {}
-        self._skills: dict[tuple[str, str], _Skill] = {}
         self._lock = threading.RLock()
-        self._image_store_bytes = 0  # sources of every registered image
-        self._fresh: set[str] = set()  # chunk keys precompiled since the current request began
         self._counters = _Counters()
         # SHA-256: config, dtype, weights (file digests cached in the store), tokenizer, template, processor
         self.fingerprint = model_fingerprint(adapter, digest_cache=digest_cache_path(store))
@@ -327,7 +261,10 @@ class Engine:
         self.placer = KVPlacer(adapter, self.cache, self.prefix, self.settings, self._plan, self.max_context)
         # Disk and shared tiers under the RAM store (None: RAM only); their uploads and skills come back.
         self.tiers = Tiers.open(store, self.fingerprint, adapter.num_layers, adapter.dtype, adapter.device)
-        self._restore()
+        # uploads, skills and their chunks' KV (RAM, the tiers, else precompiled): mmkv.registry
+        self.registry = Registries(adapter, self.settings, self.cache, self.tiers, self.fingerprint,
+                                   self.grid_settings, self.anchor_ids, self.max_context)
+        self.registry.restore()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path | None = None, dtype: torch.dtype | str | None = None,
@@ -422,26 +359,7 @@ class Engine:
         PIL image larger than the processor's max_pixels is kept downscaled to the processor's
         own target size (the size its resize would produce). An image whose span alone does not
         fit the context raises ImageTooLargeError."""
-        if isinstance(data, PreparedImage):
-            return data
-        decoded = decode_image(data, self.settings.max_image_pixels)
-        source = decoded.encoded if decoded.encoded is not None else self._fit_to_processor(decoded.image)
-        pixel_values, grid = self.adapter.preprocess_image(decoded.image if isinstance(source, bytes) else source)
-        span = self.adapter.image_token_count(grid) + 2
-        if self.anchor_ids.numel() + span >= self.max_context:
-            raise ImageTooLargeError(f"image is {decoded.width}x{decoded.height}: its {span} tokens leave no room in "
-                                     f"the context of {self.max_context} tokens", param="image")
-        return PreparedImage(decoded.content_hash, decoded.width, decoded.height, decoded.source_bytes, source,
-                             pixel_values, grid)
-
-    def _fit_to_processor(self, image: Image.Image) -> Image.Image:
-        """The image at the size the processor's resize would give it, if that is smaller."""
-        ip = self.adapter.processor.image_processor
-        h, w = smart_resize(image.height, image.width, factor=ip.patch_size * ip.merge_size,
-                            min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"])
-        if h * w >= image.height * image.width:
-            return image
-        return image.resize((w, h), Image.Resampling.BICUBIC)
+        return self.registry.prepare_image(data)
 
     def add_image(self, data, tenant: str = "") -> str:
         """Register and precompile an image (bytes, PIL image, data: URL or a PreparedImage);
@@ -449,283 +367,50 @@ class Engine:
         taken. Raises ImageStoreFullError when its source would overflow `image_store_bytes`."""
         prepared = self.prepare_image(data)
         with self._lock:
-            image_id, reg = self._register(prepared, tenant, uploaded=True)
-            self._image_chunk(reg, tenant)
-            reg.pixel_values = None  # also when its KV was already cached: the source remakes it on a miss
-            self._persist_image(image_id, reg, tenant)
-            return image_id
+            return self.registry.add_image(prepared, tenant)
 
     def image_info(self, image_id: str, tenant: str = "") -> ImageInfo:
         with self._lock:
-            reg = self._lookup(image_id, tenant)
-            return ImageInfo(image_id, reg.width, reg.height, self.adapter.image_token_count(reg.grid_thw),
-                             reg.source_bytes)
+            return self.registry.image_info(image_id, tenant)
 
     def remove_image(self, image_id: str, tenant: str = "") -> None:
         """Drop an image's source and everything derived from it: its cached KV and every prefix
         block holding that KV (and the blocks after them)."""
         with self._lock:
-            self._purge_image(image_id, self._lookup(image_id, tenant), tenant)
-
-    def _purge_image(self, image_id: str, reg: _Registered, tenant: str) -> None:
-        self.cache.purge(self._image_key(reg, tenant))
-        self._unregister((tenant, image_id))
-        if self.tiers is not None:
-            self.tiers.purge(self._durable_key("image", image_source_digest(reg.source), tenant))
-            self.tiers.registry.remove("image", tenant, image_id)
-
-    def _register(self, image: PreparedImage, tenant: str, uploaded: bool) -> tuple[str, _Registered]:
-        image_id = image_id_for(image.content_hash)
-        reg = self._images.get((tenant, image_id))
-        if reg is None:
-            if uploaded and self._image_store_bytes + image.source_nbytes > self.settings.image_store_bytes:
-                raise ImageStoreFullError(
-                    f"the image store holds {self._image_store_bytes} of {self.settings.image_store_bytes} bytes; "
-                    f"this image needs {image.source_nbytes}: delete images first", param="image")
-            reg = self._images[(tenant, image_id)] = _Registered.of(image, uploaded)
-            self._image_store_bytes += reg.source_nbytes
-        elif uploaded:
-            reg.uploaded = True
-        return image_id, reg
-
-    def _unregister(self, key: tuple[str, str]) -> None:
-        self._image_store_bytes -= self._images.pop(key).source_nbytes
-
-    def _lookup(self, image_id: str, tenant: str, param: str | None = None) -> _Registered:
-        reg = self._images.get((tenant, image_id)) or self._fetch("image", image_id, tenant)
-        if reg is not None and self.tiers is not None and self.tiers.registry.gone("image", tenant, image_id):
-            self._purge_image(image_id, reg, tenant)  # deleted on another server
-            reg = None
-        if reg is None:
-            raise UnknownImageError(f"no image with id {image_id!r}", param=param)
-        return reg
-
-    def _fetch(self, kind: str, id_: str, tenant: str) -> _Registered | _Skill | None:
-        """An upload or skill this engine does not hold but the durable tiers do (another server's)."""
-        rec = self.tiers.registry.get(kind, tenant, id_) if self.tiers is not None else None
-        if rec is None:
-            return None
-        return self._adopt_image(rec) if kind == "image" else self._adopt_skill(rec)
-
-    def _image_key(self, reg: _Registered, tenant: str) -> str:
-        return chunk_cache_key("image", reg.content_hash, self.fingerprint, self.grid_settings,
-                               self.settings.anchor, tenant)
-
-    def _encode(self, reg: _Registered) -> ImageFeatures:
-        """Run the vision tower; its input is then dropped (remade from the source on a later miss)."""
-        pixel_values = reg.pixel_values
-        if pixel_values is None:
-            rgb = decode_image(reg.source, self.settings.max_image_pixels).image if isinstance(reg.source, bytes) \
-                else reg.source
-            pixel_values = self.adapter.preprocess_image(rgb)[0]
-        self._counters.vision_tower_runs += 1
-        features = self.adapter.encode_image(pixel_values, reg.grid_thw)
-        reg.pixel_values = None
-        return features
-
-    def _cached_chunk(self, key: str, kind: str, precompile: Callable[[], CachedChunk],
-                      durable: Callable[[], str] | None = None) -> CachedChunk:
-        """The chunk under `key`; on a RAM miss the lower tiers are asked (under the durable key
-        `durable()` gives: mmkv/tiers.py), and only then `precompile()` builds it (counted, stored,
-        written through to the tiers)."""
-        entry = self.cache.get(key, kind)
-        stored = durable() if entry is None and self.tiers is not None and durable is not None else None
-        if stored is not None:
-            loaded = self.tiers.load(stored, key, kind)
-            if loaded is not None:
-                entry = loaded[0]
-                self.cache.put(entry)
-        if entry is None:
-            entry = precompile()
-            if stored is not None:
-                self.tiers.store(stored, entry)
-            self._counters.prefill_tokens += self.anchor_ids.numel() + entry.num_tokens
-            self._fresh.add(key)
-            self.cache.put(entry)
-        return entry
-
-    def _image_chunk(self, reg: _Registered, tenant: str) -> CachedChunk:
-        """The image's cached KV, precompiled (vision tower + isolated LM prefill) on a miss."""
-        key = self._image_key(reg, tenant)
-        return self._cached_chunk(key, "image", lambda: precompile_image(
-            self.adapter, self._encode(reg), reg.grid_thw, key, self.anchor_ids),
-            durable=lambda: self._durable_key("image", image_source_digest(reg.source), tenant))
+            self.registry.remove_image(image_id, tenant)
 
     # ---- skills ----------------------------------------------------------------------------------
     def add_skill(self, name: str, text: str, tenant: str = "") -> str:
         """Precompile a text skill (a policy, a tool spec, a memory block) in isolation; returns its
         stable id. A message splices it in with {"type": "skill", "skill_id": id}."""
-        if not isinstance(name, str) or not name.strip():
-            raise InvalidRequestError("skill name must be a non-empty string", param="name")
-        if not isinstance(text, str) or not text.strip():
-            raise InvalidRequestError("skill text must be a non-empty string", param="text")
-        check_unicode(name, "name")
-        check_unicode(text, "text")
-        parse_messages([{"role": "user", "content": text}])  # same reserved-token checks as messages
+        check_skill(name, text)
         with self._lock:
-            token_ids = self._tokenize(text)
-            if token_ids.numel() + self.anchor_ids.numel() >= self.max_context:
-                raise PromptTooLongError(f"skill of {token_ids.numel()} tokens exceeds the context", param="text")
-            digest = xxhash.xxh3_128(text.encode()).hexdigest()
-            skill_id = f"skill-{digest}"
-            if (tenant, skill_id) not in self._skills:
-                info = SkillInfo(skill_id, name, token_ids.numel(), int(time.time()))
-                self._skills[(tenant, skill_id)] = _Skill(info, token_ids)
-            self._skill_chunk(self._skills[(tenant, skill_id)], tenant)
-            if self.tiers is not None:
-                info = self._skills[(tenant, skill_id)].info
-                self.tiers.registry.put("skill", tenant, skill_id,
-                                        {"name": info.name, "text": text, "created_at": info.created_at})
-            return skill_id
+            return self.registry.add_skill(name, text, tenant)
 
     def skill_info(self, skill_id: str, tenant: str = "") -> SkillInfo:
         with self._lock:
-            return self._skill(skill_id, tenant).info
+            return self.registry.skill(skill_id, tenant).info
 
     def list_skills(self, tenant: str = "") -> list[SkillInfo]:
         with self._lock:
-            if self.tiers is not None:  # skills another server added to the shared tier
-                for skill_id in self.tiers.registry.shared_ids("skill", tenant):
-                    if (tenant, skill_id) not in self._skills:
-                        self._fetch("skill", skill_id, tenant)
-            return [s.info for (t, _), s in self._skills.items() if t == tenant]
+            return self.registry.list_skills(tenant)
 
     def remove_skill(self, skill_id: str, tenant: str = "") -> None:
         with self._lock:
-            self._purge_skill(skill_id, self._skill(skill_id, tenant), tenant)
-
-    def _purge_skill(self, skill_id: str, skill: _Skill, tenant: str) -> None:
-        self.cache.purge(self._skill_key(skill, tenant))
-        del self._skills[(tenant, skill_id)]
-        if self.tiers is not None:
-            self.tiers.purge(self._durable_key("skill", content_digest(skill.token_ids.numpy().tobytes()), tenant))
-            self.tiers.registry.remove("skill", tenant, skill_id)
-
-    def _skill(self, skill_id: str, tenant: str, param: str | None = None) -> _Skill:
-        skill = self._skills.get((tenant, skill_id)) or self._fetch("skill", skill_id, tenant)
-        if skill is not None and self.tiers is not None and self.tiers.registry.gone("skill", tenant, skill_id):
-            self._purge_skill(skill_id, skill, tenant)  # deleted on another server
-            skill = None
-        if skill is None:
-            raise UnknownSkillError(f"no skill with id {skill_id!r}", param=param)
-        return skill
-
-    def _skill_key(self, skill: _Skill, tenant: str) -> str:
-        return chunk_cache_key("skill", skill.info.skill_id, self.fingerprint, "", self.settings.anchor, tenant)
-
-    def _skill_chunk(self, skill: _Skill, tenant: str) -> CachedChunk:
-        key = self._skill_key(skill, tenant)
-        return self._cached_chunk(key, "skill", lambda: precompile_chunk(
-            self.adapter, "skill", skill.token_ids, key, self.anchor_ids),
-            durable=lambda: self._durable_key("skill", content_digest(skill.token_ids.numpy().tobytes()), tenant))
-
-    # ---- durable tiers: keys, records of uploads and skills (mmkv/tiers.py) ----------------------
-    def _durable_key(self, kind: str, digest: str, tenant: str) -> str:
-        grid = self.grid_settings if kind == "image" else ""
-        return durable_key(kind, digest, self.fingerprint, grid, self.settings.anchor, tenant)
-
-    def _restore(self) -> None:
-        """Register the uploads and skills the disk tier holds; their KV loads on first use."""
-        if self.tiers is None:
-            return
-        registry = self.tiers.registry
-        for rec in registry.local("image"):
-            reg = self._adopt_image(rec)
-            if reg is not None and registry.gone("image", rec.tenant, rec.id):  # deleted on another server
-                self._purge_image(rec.id, reg, rec.tenant)
-        for rec in registry.local("skill"):
-            skill = self._adopt_skill(rec)
-            if registry.gone("skill", rec.tenant, rec.id):
-                self._purge_skill(rec.id, skill, rec.tenant)
-
-    def _persist_image(self, image_id: str, reg: _Registered, tenant: str) -> None:
-        if self.tiers is None:
-            return
-        src = reg.source
-        meta = {"content_hash": reg.content_hash, "width": reg.width, "height": reg.height,
-                "source_bytes": reg.source_bytes, "grid_thw": list(reg.grid_thw),
-                "rgb": None if isinstance(src, bytes) else [src.width, src.height]}
-        self.tiers.registry.put("image", tenant, image_id, meta, src if isinstance(src, bytes) else src.tobytes())
-
-    def _adopt_image(self, rec) -> _Registered | None:
-        """A stored upload registered again (None when the image store has no room left)."""
-        m = rec.meta
-        source = rec.blob if m["rgb"] is None else Image.frombytes("RGB", tuple(m["rgb"]), rec.blob)
-        if self._image_store_bytes + len(rec.blob) > self.settings.image_store_bytes:
-            log.warning("image store full: stored upload %s not restored", rec.id)
-            return None
-        reg = _Registered(content_hash=m["content_hash"], width=m["width"], height=m["height"],
-                          source_bytes=m["source_bytes"], source=source, source_nbytes=len(rec.blob),
-                          grid_thw=tuple(m["grid_thw"]), pixel_values=None, uploaded=True)
-        self._images[(rec.tenant, rec.id)] = reg
-        self._image_store_bytes += reg.source_nbytes
-        return reg
-
-    def _adopt_skill(self, rec) -> _Skill:
-        m = rec.meta
-        token_ids = self._tokenize(m["text"])
-        skill = self._skills[(rec.tenant, rec.id)] = _Skill(SkillInfo(rec.id, m["name"], token_ids.numel(),
-                                                                      m["created_at"]), token_ids)
-        return skill
+            self.registry.remove_skill(skill_id, tenant)
 
     # ---- prompts ---------------------------------------------------------------------------------
-    def _prepare_inline(self, refs: list[ImageRef | SkillRef]) -> dict[int, PreparedImage]:
-        """Inline images decoded and preprocessed before the engine lock is taken; the same data
-        referenced twice is prepared once. An error names the message part."""
-        prepared, by_data = {}, {}
-        for i, ref in enumerate(refs):
-            if isinstance(ref, SkillRef) or ref.image_id is not None:
-                continue
-            same = ref.data if isinstance(ref.data, (str, bytes)) else id(ref.data)
-            if same not in by_data:
-                try:
-                    by_data[same] = self.prepare_image(ref.data)
-                except MMKVError as exc:
-                    raise type(exc)(f"{ref.param}: {exc.message}", param=ref.param) from exc
-            prepared[i] = by_data[same]
-        return prepared
-
-    def _resolve(self, refs: list[ImageRef | SkillRef], tenant: str, prepared: dict[int, PreparedImage],
-                 held: list[tuple[str, str]]) -> list[_Registered | _Skill]:
-        """Every referenced image and skill. Ids are checked before anything is registered, so a
-        bad one changes nothing. Inline images are registered for this request only: the keys of
-        those it registers go to `held` (see _inline_images)."""
-        known = [self._skill(r.skill_id, tenant, r.param) if isinstance(r, SkillRef)
-                 else self._lookup(r.image_id, tenant, r.param) if r.image_id is not None else None for r in refs]
-        resolved = []
-        for i, ref in enumerate(refs):
-            if known[i] is None:
-                image_id = image_id_for(prepared[i].content_hash)
-                if (tenant, image_id) not in self._images:
-                    held.append((tenant, image_id))
-                known[i] = self._register(prepared[i], tenant, uploaded=False)[1]
-            resolved.append(known[i])
-        return resolved
-
-    @contextmanager
-    def _inline_images(self):
-        """The keys of the inline images a request registers (filled by _resolve); when it ends they
-        are forgotten (their KV stays in the LRU), unless an upload of the same image came since."""
-        held: list[tuple[str, str]] = []
-        try:
-            yield held
-        finally:
-            for key in held:
-                reg = self._images.get(key)
-                if reg is not None and not reg.uploaded:
-                    self._unregister(key)
-
-    def _prompt(self, template: list[dict], refs: list[_Registered | _Skill],
-                tools: ToolSpec | None = None) -> tuple[torch.Tensor, list[tuple[int, _Registered | _Skill]]]:
+    def _prompt(self, template: list[dict], refs: list[RegisteredImage | Skill],
+                tools: ToolSpec | None = None) -> tuple[torch.Tensor, list[tuple[int, RegisteredImage | Skill]]]:
         """Render the chat template and tokenize it, expanding each image placeholder to its pad
         tokens (as the processor does) and each skill marker to the skill's tokens. Returns the ids
         and (start index, reference) of every image span and skill, in order."""
         text = self._render(template, tools=tools)
         _check_rendered(template, text)
-        self._check_reserved(text, sum(isinstance(r, _Registered) for r in refs))
+        self._check_reserved(text, sum(isinstance(r, RegisteredImage) for r in refs))
         pad = self.adapter.processor.image_token
         pattern = re.compile(re.escape(pad) + "|\\ue000(\\d+)\\ue001")
-        images = iter(r for r in refs if isinstance(r, _Registered))
+        images = iter(r for r in refs if isinstance(r, RegisteredImage))
         ids: list[int] = []
         spans = []
         cursor = 0
@@ -766,12 +451,9 @@ class Engine:
         """The prompt's token ids [L] exactly as generate() builds them."""
         tool_spec = self._tool_spec(tools, tool_choice)
         template, refs = parse_messages(messages)
-        prepared = self._prepare_inline(refs)
-        with self._lock, self._inline_images() as held:
-            return self._prompt(template, self._resolve(refs, tenant, prepared, held), tool_spec)[0]
-
-    def _chunk_for(self, ref: _Registered | _Skill, tenant: str) -> CachedChunk:
-        return self._image_chunk(ref, tenant) if isinstance(ref, _Registered) else self._skill_chunk(ref, tenant)
+        prepared = self.registry.prepare_inline(refs)
+        with self._lock, self.registry.inline_images() as held:
+            return self._prompt(template, self.registry.resolve(refs, tenant, prepared, held), tool_spec)[0]
 
     def _plan(self, input_ids: torch.Tensor, spans: list[tuple[int, CachedChunk]], policy: str) -> SplicePlan:
         """Native positions for the prompt, then each chunk placed at its policy's target."""
@@ -792,10 +474,10 @@ class Engine:
         (chunks precompiled on a miss). For oracles, evaluations and tests."""
         template, refs = parse_messages(messages)
         policy = check_policy(rope_policy or self.settings.rope_policy)
-        prepared = self._prepare_inline(refs)
-        with self._lock, self._inline_images() as held:
-            ids, spans = self._prompt(template, self._resolve(refs, tenant, prepared, held))
-            return self._plan(ids, [(s, self._chunk_for(r, tenant)) for s, r in spans], policy)
+        prepared = self.registry.prepare_inline(refs)
+        with self._lock, self.registry.inline_images() as held:
+            ids, spans = self._prompt(template, self.registry.resolve(refs, tenant, prepared, held))
+            return self._plan(ids, [(s, self.registry.chunk_for(r, tenant)) for s, r in spans], policy)
 
     # ---- generation -------------------------------------------------------------------------------
     def generate(self, messages, **kwargs) -> GenerationResult:
@@ -862,12 +544,12 @@ class Engine:
             top_logprobs=top_logprobs)
         tool_spec = self._tool_spec(tools, tool_choice)
         template, refs = parse_messages(messages)
-        prepared = self._prepare_inline(refs)
-        with self._lock, self._inline_images() as held:
-            runs_before = self._counters.vision_tower_runs
-            self._fresh.clear()  # reused counts only KV that existed before this request
-            computed_before = self._counters.prefill_tokens
-            resolved = self._resolve(refs, tenant, prepared, held)
+        prepared = self.registry.prepare_inline(refs)
+        with self._lock, self.registry.inline_images() as held:
+            runs_before = self.registry.vision_tower_runs
+            self.registry.fresh.clear()  # reused counts only KV that existed before this request
+            computed_before = self.registry.precompiled_tokens
+            resolved = self.registry.resolve(refs, tenant, prepared, held)
             input_ids, spans = self._prompt(template, resolved, tool_spec)
             if input_ids.numel() + max_new_tokens > self.max_context:
                 raise PromptTooLongError(
@@ -875,20 +557,20 @@ class Engine:
                     f"of {self.max_context} tokens", param="messages")
             report = None
             if reuse:
-                plan = self._plan(input_ids, [(s, self._chunk_for(r, tenant)) for s, r in spans], policy)
+                plan = self._plan(input_ids, [(s, self.registry.chunk_for(r, tenant)) for s, r in spans], policy)
                 prefill, plan, report = self.placer.prefill(plan, tenant, self._salt(tenant, seam, policy), seam,
                                                             policy, edit, max_new_tokens)  # forward pending
             else:
-                grids = [r.grid_thw for r in resolved if isinstance(r, _Registered)]
-                native = self.adapter.native_positions(input_ids, grids)
-                feats = ImageFeatures.concat([self._encode(r) for r in resolved if isinstance(r, _Registered)])
+                images = [r for r in resolved if isinstance(r, RegisteredImage)]
+                native = self.adapter.native_positions(input_ids, [r.grid_thw for r in images])
+                feats = ImageFeatures.concat([self.registry.encode(r) for r in images])
                 prefill = prefill_full(self.adapter, input_ids, native, feats, defer=True)
                 plan = SplicePlan(input_ids, native, native, [], [None] * input_ids.numel())
             if fidelity and reuse:
                 prefill.advance()  # the comparison needs the logits now: the forward runs whole
             fid = self._fidelity(prefill, plan) if fidelity and reuse else None
-            precompiled = self._counters.prefill_tokens - computed_before
-            reused_kinds = self._reused_by_kind(plan, prefill, self._fresh)
+            precompiled = self.registry.precompiled_tokens - computed_before
+            reused_kinds = self._reused_by_kind(plan, prefill, self.registry.fresh)
             self._counters.prefill_tokens += prefill.computed_tokens
             self._counters.reused_tokens += reused_kinds["all"]
             self._counters.requests += 1
@@ -902,7 +584,7 @@ class Engine:
             report_fields = dict(
                 usage=Usage(plan.input_ids.numel(), reused_kinds["all"], 0), image_tokens_reused=reused_kinds["image"],
                 lm_tokens_computed=prefill.computed_tokens + precompiled,
-                vision_tower_runs=self._counters.vision_tower_runs - runs_before,
+                vision_tower_runs=self.registry.vision_tower_runs - runs_before,
                 seam_tokens=seam, rope_policy=policy, reuse=reuse, prefix_tokens_reused=reused_kinds["prefix"],
                 skill_tokens_reused=reused_kinds["skill"], fidelity=fid, edit=report,
                 first_logits=None)  # set by Run.prefill
@@ -950,9 +632,9 @@ class Engine:
     # ---- introspection -------------------------------------------------------------------------------
     def stats(self) -> dict:
         with self._lock:
-            c = self._counters
+            c, reg = self._counters, self.registry
             return {
-                "vision_tower_runs": c.vision_tower_runs,
+                "vision_tower_runs": reg.vision_tower_runs,
                 "image_cache_hits": self.cache.hits["image"],
                 "image_cache_misses": self.cache.misses["image"],
                 "image_cache_entries": self.cache.count("image"),
@@ -965,13 +647,13 @@ class Engine:
                 "cache_bytes": self.cache.nbytes,
                 "cache_budget_bytes": self.cache.budget_bytes,
                 "evictions": self.cache.evictions,
-                "prefill_tokens": c.prefill_tokens,
+                "prefill_tokens": c.prefill_tokens + reg.precompiled_tokens,
                 "reused_tokens": c.reused_tokens,
                 "requests": c.requests,
-                "registered_images": len(self._images),
-                "image_store_bytes": self._image_store_bytes,
+                "registered_images": len(reg.images),
+                "image_store_bytes": reg.store_bytes,
                 "image_store_budget_bytes": self.settings.image_store_bytes,
-                "registered_skills": len(self._skills),
+                "registered_skills": len(reg.skills),
                 "ram_evictions": self.cache.evictions,  # per tier, as the tiers' stats below
                 **(self.tiers.stats() if self.tiers is not None else {}),
             }
@@ -982,9 +664,7 @@ class Engine:
         left over from a finished precompile)."""
         with self._lock:
             self.cache.check_integrity()
-            kept = sum(reg.source_nbytes for reg in self._images.values())
-            assert kept == self._image_store_bytes, f"image store tracks {self._image_store_bytes}, holds {kept}"
-            assert all(reg.pixel_values is None for reg in self._images.values()), "pixel_values kept after encoding"
+            self.registry.check_integrity()
 
     def close(self) -> None:
         """Write the chunks still queued for the lower tiers and release the store directory and the

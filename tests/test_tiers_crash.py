@@ -76,8 +76,8 @@ def test_sigkill_during_writes_leaves_no_partial_entry(tiny_dirs, tmp_path):
         engine = Engine.from_pretrained(model, store_dir=store)
         engine.tiers.disk.check_integrity()
         assert not [p for p in store.rglob("*.tmp")], (point, nth)
-        images = sorted(engine._images)
-        skills = sorted(engine._skills)
+        images = sorted(engine.registry.images)
+        skills = sorted(engine.registry.skills)
         complete = nth - (0 if point == "after_rename" else 1)  # writes that finished
         assert len(images) == (complete >= 4) + (complete >= 9), (point, nth, images)
         assert len(skills) == (complete >= 6), (point, nth, skills)

@@ -89,9 +89,9 @@ def _store_with_image(model_dir, store):
 
 def _image_file(engine, image_id):
     """The image's KV file, its durable key and its chunk in RAM."""
-    reg = engine._images[("", image_id)]
-    key = engine._durable_key("image", image_source_digest(reg.source), "")
-    return engine.tiers.disk._path(key), key, engine.cache._entries[engine._image_key(reg, "")]
+    reg = engine.registry.images[("", image_id)]
+    key = engine.registry.durable_key("image", image_source_digest(reg.source), "")
+    return engine.tiers.disk._path(key), key, engine.cache._entries[engine.registry.image_key(reg, "")]
 
 
 def _flip_byte(path):

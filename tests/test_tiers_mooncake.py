@@ -166,7 +166,7 @@ def test_corrupt_value_is_dropped_and_recomputed(model_dir, master):
         reference = a.generate(ask(image_id), max_new_tokens=3)
         a.tiers.flush()
         shared = a.tiers.shared
-        key = shared.key("kv", a._durable_key("image", image_source_digest(a._images[("", image_id)].source), ""))
+        key = shared.key("kv", a.registry.durable_key("image", image_source_digest(a.registry.images[("", image_id)].source), ""))
         value = bytearray(shared._get(key))
         value[-50] ^= 0x10
         shared._set(key, bytes(value))
