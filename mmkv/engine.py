@@ -12,7 +12,6 @@ prepares images (decode, hash, resize) in a thread pool before they reach it.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +22,6 @@ import torch
 from transformers import DynamicCache
 
 from mmkv.adapters import ImageFeatures, VLAdapter, load_adapter
-from mmkv.chunks import CachedChunk
 from mmkv.edits import parse_edit_policy
 from mmkv.fingerprint import model_fingerprint
 from mmkv.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
@@ -32,21 +30,19 @@ from mmkv.images import DEFAULT_MAX_IMAGE_PIXELS, PreparedImage
 from mmkv.kv_store import KVStore
 from mmkv.messages import parse_messages
 from mmkv.prefix_cache import PrefixCache
-from mmkv.rerotate import POLICIES, target_positions
 from mmkv.decode import DecodeStream
 from mmkv.sampling import SamplingParams, TokenLogprob, TokenTexts
-from mmkv.tools import ContentFilter, ToolCall, ToolSpec, check_tools, template_supports_tools
+from mmkv.tools import ContentFilter, ToolCall, ToolSpec
 from mmkv.place import EditReport, KVPlacer
-from mmkv.registry import ImageInfo, Registries, RegisteredImage, Skill, SkillInfo, check_skill
+from mmkv.plan import PROCESSOR_ONLY, Planner, SplicePlan, check_policy, check_seam_tokens, check_stops
+from mmkv.registry import ImageInfo, Registries, RegisteredImage, SkillInfo, check_skill
 from mmkv.registry import image_id_for  # noqa: F401  re-exported: mmkv.bench_run imports it from here
-from mmkv.splice import Placement, PrefillResult, prefill_full
+from mmkv.splice import PrefillResult, prefill_full
 from mmkv.tiers import StoreConfig, Tiers, digest_cache_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_MODEL = REPO_ROOT / "samples" / "models" / "qwen2_5_vl-tiny"
 ANCHORS = ("system", "none")
-MAX_STOPS, MAX_STOP_CHARS = 4, 256  # as OpenAI: bounds the stop-string search per token
-PROCESSOR_ONLY = re.compile(r"<\|(vision_[a-z]+|image_pad|video_pad)\|>")  # tokens only the processor places
 
 
 @dataclass(frozen=True)
@@ -71,28 +67,6 @@ class EngineSettings:
             raise InvalidRequestError("cache_bytes must be >= 0", param="cache_bytes")
         if self.image_store_bytes < 0:
             raise InvalidRequestError("image_store_bytes must be >= 0", param="image_store_bytes")
-
-
-def check_seam_tokens(value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 64:
-        raise InvalidRequestError("seam_tokens must be an integer from 0 to 64", param="seam_tokens")
-    return value
-
-
-def check_stops(stop) -> list[str]:
-    """None, one string or a list of at most MAX_STOPS non-empty strings of at most MAX_STOP_CHARS."""
-    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else None if stop is not None else []
-    if stops is None or len(stops) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS
-                                                             for s in stops):
-        raise InvalidRequestError(f"stop must be a string or a list of at most {MAX_STOPS} non-empty strings of at "
-                                  f"most {MAX_STOP_CHARS} characters", param="stop")
-    return stops
-
-
-def check_policy(value) -> str:
-    if value not in POLICIES:
-        raise InvalidRequestError(f"rope_policy must be one of {', '.join(POLICIES)}", param="rope_policy")
-    return value
 
 
 @dataclass
@@ -198,42 +172,10 @@ class Run:
 
 
 @dataclass
-class SplicePlan:
-    """What the reuse path prefills: tokens, positions, and where each cached chunk goes."""
-
-    input_ids: torch.Tensor  # [L]
-    positions: torch.Tensor  # [3, L] with each chunk at its policy's target
-    native_positions: torch.Tensor  # [3, L] the model's own
-    placements: list[Placement]
-    chunk_keys: list[str | None]  # per token: the cache key of the chunk it comes from
-
-    def chunk_features(self) -> ImageFeatures | None:
-        """Visual features for every image pad of the prompt, in order."""
-        return ImageFeatures.concat([p.entry.features for p in self.placements if p.entry.features is not None])
-
-
-@dataclass
 class _Counters:
     prefill_tokens: int = 0  # LM forwards of requests (precompiles: Registries.precompiled_tokens)
     reused_tokens: int = 0
     requests: int = 0
-
-
-def _check_rendered(template: list[dict], text: str) -> None:
-    """Every message's text must appear in the rendered prompt, in order: some official templates
-    drop messages (Qwen3-VL's renders only a first system message), and a message the model never
-    sees must be refused, not ignored."""
-    cursor = 0
-    for i, msg in enumerate(template):
-        content = msg["content"]
-        pieces = [content] if isinstance(content, str) else [p["text"] for p in content if p.get("type") == "text"]
-        for piece in (p.strip() for p in pieces):  # a template may trim a message
-            at = text.find(piece, cursor) if piece else cursor
-            if at < 0:
-                raise InvalidRequestError(f"the model's chat template does not render messages[{i}] (role "
-                                          f"{msg['role']!r} there); put system text in the first message",
-                                          param=f"messages[{i}]")
-            cursor = at + len(piece)
 
 
 class Engine:
@@ -250,7 +192,10 @@ class Engine:
         self.fingerprint = model_fingerprint(adapter, digest_cache=digest_cache_path(store))
         ip = adapter.processor.image_processor
         self.grid_settings = f"{ip.size}|patch={ip.patch_size}|merge={ip.merge_size}"
-        self.anchor_ids = self._anchor_ids() if self.settings.anchor == "system" else torch.empty(0, dtype=torch.long)
+        # the request's stage before placement: template, tokens, positions (mmkv.plan)
+        self.planner = Planner(adapter)
+        self.anchor_ids = self.planner.anchor_ids() if self.settings.anchor == "system" \
+            else torch.empty(0, dtype=torch.long)
         self.stop_ids = self._stop_ids()
         self.vocab_size = int(adapter.text_config.vocab_size)
         self.banned_ids = self._processor_only_ids()
@@ -258,7 +203,7 @@ class Engine:
         limit = adapter.text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context or limit, limit)
         # place cached KV (edit detection, edit policies, prefix cache, splice): mmkv.place
-        self.placer = KVPlacer(adapter, self.cache, self.prefix, self.settings, self._plan, self.max_context)
+        self.placer = KVPlacer(adapter, self.cache, self.prefix, self.settings, self.planner.plan, self.max_context)
         # Disk and shared tiers under the RAM store (None: RAM only); their uploads and skills come back.
         self.tiers = Tiers.open(store, self.fingerprint, adapter.num_layers, adapter.dtype, adapter.device)
         # uploads, skills and their chunks' KV (RAM, the tiers, else precompiled): mmkv.registry
@@ -300,31 +245,6 @@ class Engine:
         return cls(adapter, cfg, model_id=resolved.model_id, store=store)
 
     # ---- setup ---------------------------------------------------------------------------------
-    def _render(self, template_messages: list[dict], add_generation_prompt: bool = True,
-                tools: ToolSpec | None = None) -> str:
-        """The chat template's text; with `tools`, rendered by the template and, for a forced
-        tool choice, the assistant turn already opened with the call (mmkv.tools)."""
-        text = self.adapter.processor.apply_chat_template(
-            template_messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            **({"tools": list(tools.tools)} if tools else {}))
-        return text + (tools.forced_prefix() if tools and add_generation_prompt else "")
-
-    def _tool_spec(self, tools, tool_choice) -> ToolSpec | None:
-        spec = check_tools(tools, tool_choice)
-        if spec and not template_supports_tools(self.adapter.processor.chat_template):
-            raise InvalidRequestError("this model's chat template does not render tools", param="tools")
-        return spec
-
-    def _anchor_ids(self) -> torch.Tensor:
-        """The chat template's default header up to a first-turn image: the tokens an image
-        normally follows, so a chunk's first token is not its attention sink."""
-        text = self._render([{"role": "user", "content": [{"type": "image"}]}], add_generation_prompt=False)
-        start = self.adapter.tokenizer.convert_ids_to_tokens(self.adapter.vision_start_id)
-        return self._tokenize(text.split(start)[0])
-
-    def _tokenize(self, text: str) -> torch.Tensor:
-        return torch.tensor(self.adapter.tokenizer(text)["input_ids"], dtype=torch.long)
-
     def _stop_ids(self) -> set[int]:
         ids = set()
         eos = self.adapter.model.generation_config.eos_token_id
@@ -400,74 +320,14 @@ class Engine:
             self.registry.remove_skill(skill_id, tenant)
 
     # ---- prompts ---------------------------------------------------------------------------------
-    def _prompt(self, template: list[dict], refs: list[RegisteredImage | Skill],
-                tools: ToolSpec | None = None) -> tuple[torch.Tensor, list[tuple[int, RegisteredImage | Skill]]]:
-        """Render the chat template and tokenize it, expanding each image placeholder to its pad
-        tokens (as the processor does) and each skill marker to the skill's tokens. Returns the ids
-        and (start index, reference) of every image span and skill, in order."""
-        text = self._render(template, tools=tools)
-        _check_rendered(template, text)
-        self._check_reserved(text, sum(isinstance(r, RegisteredImage) for r in refs))
-        pad = self.adapter.processor.image_token
-        pattern = re.compile(re.escape(pad) + "|\\ue000(\\d+)\\ue001")
-        images = iter(r for r in refs if isinstance(r, RegisteredImage))
-        ids: list[int] = []
-        spans = []
-        cursor = 0
-        for m in pattern.finditer(text):
-            ids += self.adapter.tokenizer(text[cursor:m.start()])["input_ids"]
-            cursor = m.end()
-            if m.group(1) is None:
-                reg = next(images, None)
-                if reg is None or not ids or ids[-1] != self.adapter.vision_start_id:
-                    raise InvalidRequestError("the chat template did not place every image exactly once")
-                spans.append((len(ids) - 1, reg))
-                ids += [self.adapter.image_token_id] * self.adapter.image_token_count(reg.grid_thw)
-            else:
-                skill = refs[int(m.group(1))]
-                spans.append((len(ids), skill))
-                ids += skill.token_ids.tolist()
-        ids += self.adapter.tokenizer(text[cursor:])["input_ids"]
-        if next(images, None) is not None:
-            raise InvalidRequestError("the chat template did not place every image exactly once")
-        return torch.tensor(ids, dtype=torch.long), spans
-
-    def _check_reserved(self, text: str, images: int) -> None:
-        """Each text part was checked alone (mmkv.messages); adjacent parts can still join into a
-        placeholder ("<|image_" + "pad|>"), so the rendered prompt may hold processor-only tokens
-        only where the template put an image."""
-        tok = self.adapter.tokenizer
-        placeholder = (tok.convert_ids_to_tokens(self.adapter.vision_start_id) + self.adapter.processor.image_token
-                       + tok.convert_ids_to_tokens(self.adapter.vision_end_id))
-        stray = PROCESSOR_ONLY.search(text.replace(placeholder, ""))
-        if stray or text.count(placeholder) != images:
-            token = stray.group(0) if stray else placeholder
-            raise InvalidRequestError(f"the rendered prompt contains the reserved token {token} outside an image part "
-                                      f"(adjacent text parts join into it); send images as image parts",
-                                      param="messages")
-
     def prompt_ids(self, messages, tenant: str = "", tools: list[dict] | None = None,
                    tool_choice: str | dict | None = None) -> torch.Tensor:
         """The prompt's token ids [L] exactly as generate() builds them."""
-        tool_spec = self._tool_spec(tools, tool_choice)
+        tool_spec = self.planner.tool_spec(tools, tool_choice)
         template, refs = parse_messages(messages)
         prepared = self.registry.prepare_inline(refs)
         with self._lock, self.registry.inline_images() as held:
-            return self._prompt(template, self.registry.resolve(refs, tenant, prepared, held), tool_spec)[0]
-
-    def _plan(self, input_ids: torch.Tensor, spans: list[tuple[int, CachedChunk]], policy: str) -> SplicePlan:
-        """Native positions for the prompt, then each chunk placed at its policy's target."""
-        grids = [c.grid_thw for _, c in spans if c.kind == "image"]
-        native = self.adapter.native_positions(input_ids, grids)
-        positions = native.clone()
-        placements, keys = [], [None] * input_ids.numel()
-        for start, chunk in spans:
-            end = start + chunk.num_tokens
-            target = target_positions(native[:, start:end], chunk.position_ids, policy)
-            placements.append(Placement(start, chunk, target))
-            positions[:, start:end] = target
-            keys[start:end] = [chunk.key] * chunk.num_tokens
-        return SplicePlan(input_ids, positions, native, placements, keys)
+            return self.planner.prompt(template, self.registry.resolve(refs, tenant, prepared, held), tool_spec)[0]
 
     def splice_plan(self, messages, rope_policy: str | None = None, tenant: str = "") -> SplicePlan:
         """Tokens, positions and chunk placements the reuse path would prefill for `messages`
@@ -476,8 +336,8 @@ class Engine:
         policy = check_policy(rope_policy or self.settings.rope_policy)
         prepared = self.registry.prepare_inline(refs)
         with self._lock, self.registry.inline_images() as held:
-            ids, spans = self._prompt(template, self.registry.resolve(refs, tenant, prepared, held))
-            return self._plan(ids, [(s, self.registry.chunk_for(r, tenant)) for s, r in spans], policy)
+            ids, spans = self.planner.prompt(template, self.registry.resolve(refs, tenant, prepared, held))
+            return self.planner.plan(ids, [(s, self.registry.chunk_for(r, tenant)) for s, r in spans], policy)
 
     # ---- generation -------------------------------------------------------------------------------
     def generate(self, messages, **kwargs) -> GenerationResult:
@@ -542,7 +402,7 @@ class Engine:
             self.vocab_size, temperature=temperature, top_p=top_p, top_k=top_k, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed, logprobs=logprobs,
             top_logprobs=top_logprobs)
-        tool_spec = self._tool_spec(tools, tool_choice)
+        tool_spec = self.planner.tool_spec(tools, tool_choice)
         template, refs = parse_messages(messages)
         prepared = self.registry.prepare_inline(refs)
         with self._lock, self.registry.inline_images() as held:
@@ -550,14 +410,14 @@ class Engine:
             self.registry.fresh.clear()  # reused counts only KV that existed before this request
             computed_before = self.registry.precompiled_tokens
             resolved = self.registry.resolve(refs, tenant, prepared, held)
-            input_ids, spans = self._prompt(template, resolved, tool_spec)
+            input_ids, spans = self.planner.prompt(template, resolved, tool_spec)
             if input_ids.numel() + max_new_tokens > self.max_context:
                 raise PromptTooLongError(
                     f"prompt of {input_ids.numel()} tokens plus max_tokens {max_new_tokens} exceeds the context "
                     f"of {self.max_context} tokens", param="messages")
             report = None
             if reuse:
-                plan = self._plan(input_ids, [(s, self.registry.chunk_for(r, tenant)) for s, r in spans], policy)
+                plan = self.planner.plan(input_ids, [(s, self.registry.chunk_for(r, tenant)) for s, r in spans], policy)
                 prefill, plan, report = self.placer.prefill(plan, tenant, self._salt(tenant, seam, policy), seam,
                                                             policy, edit, max_new_tokens)  # forward pending
             else:

@@ -1,0 +1,166 @@
+"""Request planning: the request's values checked, the chat template rendered and tokenized (each
+image expanded to its pad tokens, each skill to its tokens) and the `SplicePlan` (native
+positions, each cached chunk placed at its rope policy's target).
+
+`Planner` reads only the model's tokenizer, processor and config; the engine calls it under its
+lock, where the registries it is handed are consistent.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from mmkv.adapters import ImageFeatures, VLAdapter
+from mmkv.chunks import CachedChunk
+from mmkv.errors import InvalidRequestError
+from mmkv.registry import RegisteredImage, Skill
+from mmkv.rerotate import POLICIES, target_positions
+from mmkv.splice import Placement
+from mmkv.tools import ToolSpec, check_tools, template_supports_tools
+
+MAX_STOPS, MAX_STOP_CHARS = 4, 256  # as OpenAI: bounds the stop-string search per token
+PROCESSOR_ONLY = re.compile(r"<\|(vision_[a-z]+|image_pad|video_pad)\|>")  # tokens only the processor places
+
+
+def check_seam_tokens(value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 64:
+        raise InvalidRequestError("seam_tokens must be an integer from 0 to 64", param="seam_tokens")
+    return value
+
+
+def check_stops(stop) -> list[str]:
+    """None, one string or a list of at most MAX_STOPS non-empty strings of at most MAX_STOP_CHARS."""
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else None if stop is not None else []
+    if stops is None or len(stops) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS
+                                                             for s in stops):
+        raise InvalidRequestError(f"stop must be a string or a list of at most {MAX_STOPS} non-empty strings of at "
+                                  f"most {MAX_STOP_CHARS} characters", param="stop")
+    return stops
+
+
+def check_policy(value) -> str:
+    if value not in POLICIES:
+        raise InvalidRequestError(f"rope_policy must be one of {', '.join(POLICIES)}", param="rope_policy")
+    return value
+
+
+@dataclass
+class SplicePlan:
+    """What the reuse path prefills: tokens, positions, and where each cached chunk goes."""
+
+    input_ids: torch.Tensor  # [L]
+    positions: torch.Tensor  # [3, L] with each chunk at its policy's target
+    native_positions: torch.Tensor  # [3, L] the model's own
+    placements: list[Placement]
+    chunk_keys: list[str | None]  # per token: the cache key of the chunk it comes from
+
+    def chunk_features(self) -> ImageFeatures | None:
+        """Visual features for every image pad of the prompt, in order."""
+        return ImageFeatures.concat([p.entry.features for p in self.placements if p.entry.features is not None])
+
+
+def check_rendered(template: list[dict], text: str) -> None:
+    """Every message's text must appear in the rendered prompt, in order: some official templates
+    drop messages (Qwen3-VL's renders only a first system message), and a message the model never
+    sees must be refused, not ignored."""
+    cursor = 0
+    for i, msg in enumerate(template):
+        content = msg["content"]
+        pieces = [content] if isinstance(content, str) else [p["text"] for p in content if p.get("type") == "text"]
+        for piece in (p.strip() for p in pieces):  # a template may trim a message
+            at = text.find(piece, cursor) if piece else cursor
+            if at < 0:
+                raise InvalidRequestError(f"the model's chat template does not render messages[{i}] (role "
+                                          f"{msg['role']!r} there); put system text in the first message",
+                                          param=f"messages[{i}]")
+            cursor = at + len(piece)
+
+
+class Planner:
+    def __init__(self, adapter: VLAdapter):
+        self.adapter = adapter
+
+    def render(self, template_messages: list[dict], add_generation_prompt: bool = True,
+               tools: ToolSpec | None = None) -> str:
+        """The chat template's text; with `tools`, rendered by the template and, for a forced
+        tool choice, the assistant turn already opened with the call (mmkv.tools)."""
+        text = self.adapter.processor.apply_chat_template(
+            template_messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **({"tools": list(tools.tools)} if tools else {}))
+        return text + (tools.forced_prefix() if tools and add_generation_prompt else "")
+
+    def tool_spec(self, tools, tool_choice) -> ToolSpec | None:
+        spec = check_tools(tools, tool_choice)
+        if spec and not template_supports_tools(self.adapter.processor.chat_template):
+            raise InvalidRequestError("this model's chat template does not render tools", param="tools")
+        return spec
+
+    def anchor_ids(self) -> torch.Tensor:
+        """The chat template's default header up to a first-turn image: the tokens an image
+        normally follows, so a chunk's first token is not its attention sink."""
+        text = self.render([{"role": "user", "content": [{"type": "image"}]}], add_generation_prompt=False)
+        start = self.adapter.tokenizer.convert_ids_to_tokens(self.adapter.vision_start_id)
+        return torch.tensor(self.adapter.tokenizer(text.split(start)[0])["input_ids"], dtype=torch.long)
+
+    def prompt(self, template: list[dict], refs: list[RegisteredImage | Skill],
+               tools: ToolSpec | None = None) -> tuple[torch.Tensor, list[tuple[int, RegisteredImage | Skill]]]:
+        """Render the chat template and tokenize it, expanding each image placeholder to its pad
+        tokens (as the processor does) and each skill marker to the skill's tokens. Returns the ids
+        and (start index, reference) of every image span and skill, in order."""
+        text = self.render(template, tools=tools)
+        check_rendered(template, text)
+        self._check_reserved(text, sum(isinstance(r, RegisteredImage) for r in refs))
+        pad = self.adapter.processor.image_token
+        pattern = re.compile(re.escape(pad) + "|\\ue000(\\d+)\\ue001")
+        images = iter(r for r in refs if isinstance(r, RegisteredImage))
+        ids: list[int] = []
+        spans = []
+        cursor = 0
+        for m in pattern.finditer(text):
+            ids += self.adapter.tokenizer(text[cursor:m.start()])["input_ids"]
+            cursor = m.end()
+            if m.group(1) is None:
+                reg = next(images, None)
+                if reg is None or not ids or ids[-1] != self.adapter.vision_start_id:
+                    raise InvalidRequestError("the chat template did not place every image exactly once")
+                spans.append((len(ids) - 1, reg))
+                ids += [self.adapter.image_token_id] * self.adapter.image_token_count(reg.grid_thw)
+            else:
+                skill = refs[int(m.group(1))]
+                spans.append((len(ids), skill))
+                ids += skill.token_ids.tolist()
+        ids += self.adapter.tokenizer(text[cursor:])["input_ids"]
+        if next(images, None) is not None:
+            raise InvalidRequestError("the chat template did not place every image exactly once")
+        return torch.tensor(ids, dtype=torch.long), spans
+
+    def _check_reserved(self, text: str, images: int) -> None:
+        """Each text part was checked alone (mmkv.messages); adjacent parts can still join into a
+        placeholder ("<|image_" + "pad|>"), so the rendered prompt may hold processor-only tokens
+        only where the template put an image."""
+        tok = self.adapter.tokenizer
+        placeholder = (tok.convert_ids_to_tokens(self.adapter.vision_start_id) + self.adapter.processor.image_token
+                       + tok.convert_ids_to_tokens(self.adapter.vision_end_id))
+        stray = PROCESSOR_ONLY.search(text.replace(placeholder, ""))
+        if stray or text.count(placeholder) != images:
+            token = stray.group(0) if stray else placeholder
+            raise InvalidRequestError(f"the rendered prompt contains the reserved token {token} outside an image part "
+                                      f"(adjacent text parts join into it); send images as image parts",
+                                      param="messages")
+
+    def plan(self, input_ids: torch.Tensor, spans: list[tuple[int, CachedChunk]], policy: str) -> SplicePlan:
+        """Native positions for the prompt, then each chunk placed at its policy's target."""
+        grids = [c.grid_thw for _, c in spans if c.kind == "image"]
+        native = self.adapter.native_positions(input_ids, grids)
+        positions = native.clone()
+        placements, keys = [], [None] * input_ids.numel()
+        for start, chunk in spans:
+            end = start + chunk.num_tokens
+            target = target_positions(native[:, start:end], chunk.position_ids, policy)
+            placements.append(Placement(start, chunk, target))
+            positions[:, start:end] = target
+            keys[start:end] = [chunk.key] * chunk.num_tokens
+        return SplicePlan(input_ids, positions, native, placements, keys)
