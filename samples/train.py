@@ -132,12 +132,14 @@ SKEW_VALUE = {v: (0.85, 0.15, 0.7, 0.3, 0.6)[i] for vs in E.FIELDS.values() for 
 def accept_probability(qtype: str, scene, question: str, answer: str, bias: float,
                        gate: dict[str, str] | None = None) -> float:
     """Rejection-sampling weight that makes P(positive answer | key) = 0.5 + bias * (SKEW - 0.5); the
-    keys are the light's and the asked colour (image gates), the first colour (left_of), the needed
-    and the current field value (text gates, from ``gate``)."""
+    keys are the light's and the asked colour (image gates), the first colour (left_of), the two
+    shapes' colours (same_color), the needed and the current field value (text gates, ``gate``)."""
     skew = SKEW
     if gate:
         skew = SKEW_VALUE
         keys, positive = (gate["required"], gate["value"]), answer == "refund"
+    elif qtype == "same_color":  # (scene: the two images' scenes)
+        keys, positive = tuple(next(o.color for o in sc.objects) for sc in scene), answer == "yes"
     elif qtype.startswith("gate"):
         light = next(o.color for o in scene.objects if o.role == "light")
         asked = next(c for c in D.COLORS if question == D.Q_GATE.format(color=c))
@@ -181,10 +183,10 @@ def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int,
     while True:
         ep = E.build(rng, qtype, level=level, easy_size=easy_size, draw=style.drawer(), before=n_turns - 1,
                      filler_types=singles)
-        if bias <= 0 or (qtype not in D.TYPES and not ep.gate):
+        if bias <= 0 or (qtype not in D.TYPES and qtype != "same_color" and not ep.gate):
             break
         q = ep.messages[-2]["content"][-1]["text"]
-        scene = ep.scenes[-1] if ep.scenes else None
+        scene = ep.scenes[-2:] if qtype == "same_color" else ep.scenes[-1] if ep.scenes else None
         if rng.random() < accept_probability(qtype, scene, q, ep.answer, bias, ep.gate):
             break
     return ep.messages, ep.images, ep.answers
