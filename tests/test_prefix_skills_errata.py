@@ -382,3 +382,50 @@ def test_evicting_a_chunk_takes_its_referencing_blocks(tiny_dirs, engine):
     again = eng.generate(_skill_chat(sid, "lead", turns=1), max_new_tokens=1)  # precompiled again, exact
     assert again.skill_tokens_reused == 0 and _oracle_gap(eng, _skill_chat(sid, "lead", turns=1), "", again) <= TOL
     eng.check_integrity()
+
+
+def _reused_by_kind_reference(engine, plan, prefill, fresh) -> dict[str, int]:
+    """The engine's reused-token counts as first written: token by token."""
+    kinds = {p.entry.key: p.entry.kind for p in plan.placements}
+    out = {"image": 0, "skill": 0, "prefix": prefill.prefix_tokens, "all": 0}
+    for a, b in prefill.reused_ranges:
+        for i in range(a, b):
+            key = plan.chunk_keys[i]
+            if i >= prefill.prefix_tokens and key in fresh:
+                continue
+            out["all"] += 1
+            kind = kinds.get(key)
+            if kind == "skill" or (kind == "image" and int(plan.input_ids[i]) == engine.adapter.image_token_id):
+                out[kind] += 1
+    return out
+
+
+def test_reused_counts_equal_the_per_token_count(engine, monkeypatch):
+    """usage.cached_tokens and the per-kind counts, for turns with a skill, an image spliced twice,
+    a prefix hit over both, an inline image precompiled by the request itself (fresh: computed,
+    not reused) and an in_place edit's scattered ranges: equal to the token-by-token count."""
+    cls = type(engine)
+    real, seen = cls._reused_by_kind, []
+
+    def checked(self, plan, prefill, fresh):
+        got = real(self, plan, prefill, fresh)
+        assert got == _reused_by_kind_reference(self, plan, prefill, fresh)
+        seen.append((got, bool(fresh)))
+        return got
+
+    monkeypatch.setattr(cls, "_reused_by_kind", checked)
+    tenant = "reused-counts"
+    image = _ref(engine.add_image(make_png(84, 56, seed=21), tenant=tenant))
+    skill = engine.add_skill("counts", POLICY * 2, tenant=tenant)
+    inline = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
+        make_png(70, 42, seed=22)).decode()}}
+    chat = [{"role": "system", "content": [{"type": "text", "text": "lead .\n"}, {"type": "skill", "skill_id": skill}]},
+            {"role": "user", "content": [image, {"type": "text", "text": "what is it ?"}]}]
+    engine.generate(chat, max_new_tokens=1, tenant=tenant)
+    chat += [{"role": "assistant", "content": "a shape"},
+             {"role": "user", "content": [{"type": "text", "text": "and these ?"}, image, inline]}]
+    engine.generate(chat, max_new_tokens=1, tenant=tenant)
+    engine.generate(_edit_pair("pending"), max_new_tokens=1, tenant=tenant)
+    engine.generate(_edit_pair("shipped"), max_new_tokens=1, tenant=tenant, edit_policy="in_place")
+    assert len(seen) == 4 and any(fresh for _, fresh in seen)
+    assert all(seen[1][0][k] > 0 for k in ("image", "skill", "prefix", "all"))
