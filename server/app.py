@@ -42,7 +42,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
     start-up to shut-down (only `engine.prepare_image`, which is thread-safe, also runs on the
     image threads): do not call it from elsewhere while the app runs."""
     worker = EngineWorker(engine, settings.max_queue, settings.max_batch, settings.prefill_chunk)
-    metrics = ServerMetrics(lambda: worker.stats, lambda: worker.queue_depth)
+    metrics = ServerMetrics(worker.live_stats, lambda: worker.queue_depth)
     tiers = getattr(engine, "tiers", None)  # disk / shared tiers (mmkv/tiers.py): durable files, shared tenants
     ctx = ServerContext(
         worker=worker, metrics=metrics, settings=settings,

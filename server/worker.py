@@ -199,6 +199,18 @@ class EngineWorker:
             else:
                 job.future.set_exception(error)
 
+    def live_stats(self) -> dict:
+        """The engine's stats as of its last job, with the store tiers' read now: their counters have
+        locks of their own, and the background tier writer finishes between jobs."""
+        out = dict(self.stats)
+        tiers = getattr(self.engine, "tiers", None)
+        if tiers is not None:
+            try:
+                out.update(tiers.stats())
+            except Exception:  # noqa: BLE001 - metrics must never fail a scrape
+                log.exception("tiers.stats() failed")
+        return out
+
     def _refresh_stats(self) -> None:
         try:
             self.stats = dict(self.engine.stats())
