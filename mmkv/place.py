@@ -36,7 +36,7 @@ from mmkv.rerotate import constant_delta
 from mmkv.splice import PrefillResult, preallocate, prefill_spliced, splice_layout
 
 if TYPE_CHECKING:
-    from mmkv.engine import SplicePlan
+    from mmkv.plan import SplicePlan
 
 log = logging.getLogger("mmkv.engine")
 RECENT_PROMPTS = 16  # per tenant and settings, for edit detection
