@@ -211,3 +211,18 @@ def test_text_gates_record_what_decides_them():
             elif g["value"] != g["required"]:
                 assert ep.answer == "escalate"
     assert not E.build(random.Random(0), "color").gate
+
+
+def test_ask_leaves_room_for_every_answer_in_the_bundled_tokenizers():
+    """ask()'s default length fits every one-word answer of every task as the bundled models spell it."""
+    from transformers import AutoTokenizer
+
+    budget = E.ANSWER_TOKENS
+    words = {a for t in E.ANSWERS.values() for a in t} | {a for t in D.ANSWERS.values() for a in t}
+    for name in ("qwen2_5_vl-tiny", "qwen3_vl-tiny"):
+        tok = AutoTokenizer.from_pretrained(ROOT / "samples" / "models" / name, local_files_only=True)
+        longest = max(len(tok.encode(w, add_special_tokens=False)) for w in words)
+        assert longest + 1 <= budget, (name, longest)  # (+ the closing <|im_end|>)
+        describe = max(len(tok.encode(D.describe_answer([D.Obj(c, s, x, 0, 1) for x, (c, s) in enumerate(
+            [("yellow", "triangle")] * 3)]), add_special_tokens=False)) for _ in [0])
+        assert describe + 1 <= E.DESCRIBE_TOKENS, (name, describe)

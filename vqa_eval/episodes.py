@@ -277,13 +277,17 @@ def corpus() -> list[str]:
     return out
 
 
+#: ask()'s default answer lengths: a small tokenizer spells "previous" in six pieces.
+ANSWER_TOKENS, DESCRIBE_TOKENS = 8, 16
+
+
 def ask(model, processor, ep: Episode, max_new_tokens: int | None = None) -> str:
     """The model's greedy answer to the episode's last question (plain transformers, full recompute)."""
     import torch
 
     text = processor.apply_chat_template(ep.prompt_messages(), tokenize=False, add_generation_prompt=True)
     enc = processor(text=[text], images=ep.images or None, return_tensors="pt").to(model.device)
-    n = max_new_tokens or (16 if ep.type == "describe" else 3)
+    n = max_new_tokens or (DESCRIBE_TOKENS if ep.type == "describe" else ANSWER_TOKENS)
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=n, do_sample=False)
     return processor.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
