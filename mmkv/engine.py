@@ -467,19 +467,25 @@ class Engine:
     def _reused_by_kind(self, plan: SplicePlan, prefill: PrefillResult, fresh: set[str]) -> dict[str, int]:
         """Prompt tokens whose KV existed before the request: all of them (usage.cached_tokens),
         image pads and skill tokens (spliced or inside a prefix-cache hit), and the prefix-cache
-        hit. A spliced chunk that was precompiled for this request (`fresh`) was computed."""
-        kinds = {p.entry.key: p.entry.kind for p in plan.placements}
+        hit. A spliced chunk that was precompiled for this request (`fresh`) was computed. Counted
+        per reused range and placement (`plan.chunk_keys` names each placement's tokens), not per token."""
         out = {"image": 0, "skill": 0, "prefix": prefill.prefix_tokens, "all": 0}
-        pad = self.adapter.image_token_id
+        pad, cut = self.adapter.image_token_id, prefill.prefix_tokens
         for a, b in prefill.reused_ranges:
-            for i in range(a, b):
-                key = plan.chunk_keys[i]
-                if i >= prefill.prefix_tokens and key in fresh:
+            out["all"] += b - a
+            for p in plan.placements:
+                lo, hi = max(a, p.start), min(b, p.end)
+                if lo >= hi:
                     continue
-                out["all"] += 1
-                kind = kinds.get(key)
-                if kind == "skill" or (kind == "image" and int(plan.input_ids[i]) == pad):
-                    out[kind] += 1
+                if p.entry.key in fresh:  # its tokens past the prefix-cache hit were computed
+                    out["all"] -= hi - max(lo, cut) if hi > cut else 0
+                    hi = min(hi, cut)
+                    if lo >= hi:
+                        continue
+                if p.entry.kind == "skill":
+                    out["skill"] += hi - lo
+                elif p.entry.kind == "image":
+                    out["image"] += int((plan.input_ids[lo:hi] == pad).sum())
         return out
 
     def _fidelity(self, fast: PrefillResult, plan: SplicePlan) -> Fidelity:
