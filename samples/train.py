@@ -237,7 +237,7 @@ class Batcher:
             msgs, imgs, _ = conversation(rng, level, self.easy_size, n_turns, types=types, bias=bias, style=style)
             texts.append(self.proc.apply_chat_template(msgs, tokenize=False))
             images.extend(imgs)
-        enc = self.proc(text=texts, images=images, return_tensors="pt", padding=True)
+        enc = self.proc(text=texts, images=images or None, return_tensors="pt", padding=True)  # (a text-only batch)
         enc["labels"] = self.labels_for(enc["input_ids"])
         return enc
 

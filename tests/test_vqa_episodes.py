@@ -226,3 +226,26 @@ def test_ask_leaves_room_for_every_answer_in_the_bundled_tokenizers():
         describe = max(len(tok.encode(D.describe_answer([D.Obj(c, s, x, 0, 1) for x, (c, s) in enumerate(
             [("yellow", "triangle")] * 3)]), add_special_tokens=False)) for _ in [0])
         assert describe + 1 <= E.DESCRIBE_TOKENS, (name, describe)
+
+
+def test_a_batch_of_text_only_episodes_trains():
+    """A training batch may hold no image at all (text gates, no earlier turns): labels still cover
+    every answer and the model takes it."""
+    import importlib.util
+    import sys
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    spec = importlib.util.spec_from_file_location("train", ROOT / "samples" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    sys.modules["train"] = train
+    spec.loader.exec_module(train)
+    d = ROOT / "samples" / "models" / "qwen2_5_vl-tiny"
+    processor = AutoProcessor.from_pretrained(d, local_files_only=True)
+    model = AutoModelForImageTextToText.from_pretrained(d, local_files_only=True)
+    batch = train.Batcher(processor, "qwen2_5_vl").batch(random.Random(0), 3, 1.0, max_turns=1,
+                                                        types={"field_gate": 1.0})
+    assert "pixel_values" not in batch
+    labelled = [processor.tokenizer.decode([t for t in row if t >= 0]) for row in batch["labels"].tolist()]
+    assert all(x.replace("<|im_end|>", "") in ("refund", "escalate") for x in labelled)
+    assert float(model(**batch).loss) > 0
