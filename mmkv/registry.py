@@ -187,13 +187,20 @@ class Registries:
         self.store_bytes -= self.images.pop(key).source_nbytes
 
     def lookup_image(self, image_id: str, tenant: str, param: str | None = None) -> RegisteredImage:
-        reg = self.images.get((tenant, image_id)) or self._fetch("image", image_id, tenant)
-        if reg is not None and self.tiers is not None and self.tiers.registry.gone("image", tenant, image_id):
-            self._purge_image(image_id, reg, tenant)  # deleted on another server
-            reg = None
-        if reg is None:
-            raise UnknownImageError(f"no image with id {image_id!r}", param=param)
-        return reg
+        return self._lookup("image", image_id, tenant, param)
+
+    def _lookup(self, kind: str, id_: str, tenant: str, param: str | None):
+        """A registered image or skill: held here, or adopted from the durable tiers; one deleted
+        on another server is purged here too and is unknown."""
+        held, purge, unknown = ((self.images, self._purge_image, UnknownImageError) if kind == "image"
+                                else (self.skills, self._purge_skill, UnknownSkillError))
+        entry = held.get((tenant, id_)) or self._fetch(kind, id_, tenant)
+        if entry is not None and self.tiers is not None and self.tiers.registry.gone(kind, tenant, id_):
+            purge(id_, entry, tenant)  # deleted on another server
+            entry = None
+        if entry is None:
+            raise unknown(f"no {kind} with id {id_!r}", param=param)
+        return entry
 
     def _fetch(self, kind: str, id_: str, tenant: str) -> RegisteredImage | Skill | None:
         """An upload or skill this engine does not hold but the durable tiers do (another server's)."""
@@ -282,13 +289,7 @@ class Registries:
             self.tiers.registry.remove("skill", tenant, skill_id)
 
     def skill(self, skill_id: str, tenant: str, param: str | None = None) -> Skill:
-        skill = self.skills.get((tenant, skill_id)) or self._fetch("skill", skill_id, tenant)
-        if skill is not None and self.tiers is not None and self.tiers.registry.gone("skill", tenant, skill_id):
-            self._purge_skill(skill_id, skill, tenant)  # deleted on another server
-            skill = None
-        if skill is None:
-            raise UnknownSkillError(f"no skill with id {skill_id!r}", param=param)
-        return skill
+        return self._lookup("skill", skill_id, tenant, param)
 
     def _skill_key(self, skill: Skill, tenant: str) -> str:
         return chunk_cache_key("skill", skill.info.skill_id, self.fingerprint, "", self.settings.anchor, tenant)
