@@ -185,11 +185,11 @@ class SlotPool:
                     and self._free(b, a)]
             if fits:
                 return min(fits, key=lambda f: f[0].numel())[0][:numel]
-            for b, a in list(self._kept):  # make room: the free buffers that fit nothing, oldest first
+            for entry in list(self._kept):  # make room: the free buffers that fit nothing, oldest first
                 if self.nbytes + need <= self.budget:
                     break
-                if self._free(b, a):
-                    self._kept.remove((b, a))
+                if self._free(*entry):  # (by identity: == on tuples of tensors compares their elements)
+                    self._kept = [e for e in self._kept if e is not entry]
             buf = torch.empty(numel, dtype=dtype, device=device)
             if self.nbytes + need <= self.budget:
                 self._kept.append((buf, self._uses(buf)))

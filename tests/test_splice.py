@@ -210,3 +210,26 @@ def test_slot_pool_never_shares_a_live_buffer_and_reuses_a_released_one(engine):
         del r
         gc.collect()
     assert runs[1][1] == runs[0][1] and torch.equal(runs[1][0], runs[0][0]) and torch.equal(runs[2][0], runs[0][0])
+
+
+def test_slot_pool_makes_room_by_dropping_free_buffers_of_other_sizes():
+    """A full pool frees kept buffers that fit nothing to keep a new one, also when an older kept
+    buffer is still in use: the bug this guards removed entries with ==, which compared tensors of
+    different sizes element by element and raised."""
+    from mmkv.splice import SlotPool
+
+    f32, cpu = torch.float32, torch.device("cpu")
+    pool = SlotPool(budget=4 * 4000)  # room for 4000 float32 elements
+    alive = pool.take(1000, f32, cpu)  # kept and still in use
+    for n in (2100, 400):  # kept, released at once
+        pool.take(n, f32, cpu)
+    assert pool.nbytes == (1000 + 2100 + 400) * 4
+    big = pool.take(3500, f32, cpu)  # fits no kept buffer: the free ones go, the one in use stays
+    assert big.numel() == 3500 and pool.nbytes == 1000 * 4  # (3500 more would exceed the budget)
+    assert alive.numel() == 1000
+    del big
+    small = pool.take(2500, f32, cpu)  # now there is room: kept
+    ptr = small.untyped_storage().data_ptr()
+    del small
+    again = pool.take(2000, f32, cpu)  # the free 2500 buffer fits and is handed out again
+    assert again.untyped_storage().data_ptr() == ptr and pool.nbytes == (1000 + 2500) * 4
