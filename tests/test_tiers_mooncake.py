@@ -22,11 +22,10 @@ from typer.testing import CliRunner
 from conftest import free_port, make_png
 from mmkv.cli import app
 from mmkv.engine import Engine
-from mmkv.errors import UnknownImageError, UnknownSkillError
 from mmkv.fingerprint import image_source_digest
 from mmkv.mooncake_tier import MooncakeUnavailable, load_store_class
 from mmkv.tiers import StoreConfig
-from test_tiers_redis import ask, wait_listening
+from test_tiers_redis import ask, delete_reaches, share_through, wait_listening
 
 SMALL = {"mooncake_segment_bytes": 64 << 20, "mooncake_buffer_bytes": 16 << 20}  # what each test engine lends
 
@@ -130,29 +129,11 @@ def test_two_engines_share_uploads_skills_and_kv(model_dir, tmp_path, master):
     a = master.engine(model_dir, store_dir=tmp_path / "a")
     b = master.engine(model_dir, store_dir=tmp_path / "b")
     try:
-        image_id = a.add_image(make_png(64, 48), tenant="t1")
-        skill_id = a.add_skill("brief", "Answer in one word.", tenant="t1")
-        on_a = a.generate(ask(image_id, skill_id), max_new_tokens=4, tenant="t1")
-        a.tiers.flush()  # the chunks reach the store in the background
-        on_b = b.generate(ask(image_id, skill_id), max_new_tokens=4, tenant="t1")
-        stats = b.stats()
-        assert on_b.vision_tower_runs == 0 and stats["vision_tower_runs"] == 0
-        assert stats["mooncake_hits"] == 2 and stats["mooncake_corrupt"] == 0 and stats["mooncake_up"] == 1
-        assert on_b.image_tokens_reused == on_a.image_tokens_reused > 0 and on_b.text == on_a.text
-        torch.testing.assert_close(on_b.first_logits, on_a.first_logits, atol=1e-6, rtol=0)
-        assert [s.skill_id for s in b.list_skills("t1")] == [skill_id]
-        with pytest.raises(UnknownImageError):  # another tenant
-            b.generate(ask(image_id), max_new_tokens=1, tenant="t2")
-        assert b.list_skills("t2") == []
+        image_id, skill_id = share_through(a, b, "mooncake")
+        assert b.stats()["mooncake_up"] == 1
         secret = a.tiers.tenant_secret()  # API keys map to the same tenants on both servers
         assert b.tiers.tenant_secret() == secret and len(secret) == 32
-        # a delete on A purges the store; B drops its own copies on its next reference
-        a.remove_image(image_id, tenant="t1")
-        a.remove_skill(skill_id, tenant="t1")
-        with pytest.raises(UnknownImageError):
-            b.generate(ask(image_id), max_new_tokens=1, tenant="t1")
-        with pytest.raises(UnknownSkillError):
-            b.skill_info(skill_id, tenant="t1")
+        delete_reaches(a, b, image_id, skill_id)
     finally:
         a.close()
         b.close()

@@ -86,17 +86,17 @@ def model_dir(tiny_dirs):
     return tiny_dirs["qwen2_5_vl"]
 
 
-def test_two_engines_share_uploads_skills_and_kv(model_dir, tmp_path, url):
-    a = Engine.from_pretrained(model_dir, store_dir=tmp_path / "a", redis_url=url)
-    b = Engine.from_pretrained(model_dir, store_dir=tmp_path / "b", redis_url=url)
+def share_through(a: Engine, b: Engine, tier: str) -> tuple[str, str]:
+    """An image and a skill added on A are answered by B from the shared tier `tier` (no vision
+    tower, the same logits), for their tenant only. Returns (image id, skill id)."""
     image_id = a.add_image(make_png(64, 48), tenant="t1")
     skill_id = a.add_skill("brief", "Answer in one word.", tenant="t1")
     on_a = a.generate(ask(image_id, skill_id), max_new_tokens=4, tenant="t1")
-    a.tiers.flush()  # the chunks reach Redis in the background
+    a.tiers.flush()  # the chunks reach the shared tier in the background
     on_b = b.generate(ask(image_id, skill_id), max_new_tokens=4, tenant="t1")
     stats = b.stats()
     assert on_b.vision_tower_runs == 0 and stats["vision_tower_runs"] == 0
-    assert stats["redis_hits"] == 2 and stats["redis_corrupt"] == 0
+    assert stats[f"{tier}_hits"] == 2 and stats[f"{tier}_corrupt"] == 0
     assert on_b.image_tokens_reused == on_a.image_tokens_reused > 0 and on_b.text == on_a.text
     torch.testing.assert_close(on_b.first_logits, on_a.first_logits, atol=1e-6, rtol=0)
     assert [s.skill_id for s in b.list_skills("t1")] == [skill_id]
@@ -105,19 +105,30 @@ def test_two_engines_share_uploads_skills_and_kv(model_dir, tmp_path, url):
     with pytest.raises(UnknownSkillError):
         b.skill_info(skill_id, tenant="t2")
     assert b.list_skills("t2") == []
-    # B's hit went to its disk too: a restart of B alone loads from disk
-    b.close()
-    b = Engine.from_pretrained(model_dir, store_dir=tmp_path / "b", redis_url=url)
-    assert b.generate(ask(image_id), max_new_tokens=1, tenant="t1").vision_tower_runs == 0
-    assert b.stats()["disk_hits"] == 1
-    # a delete on A purges the shared tier, and B drops its own copies on its next reference
-    b_files = sorted((tmp_path / "b" / "kv").glob("*/*"))
+    return image_id, skill_id
+
+
+def delete_reaches(a: Engine, b: Engine, image_id: str, skill_id: str) -> None:
+    """A delete on A purges the shared tier; B drops its own copies on its next reference."""
     a.remove_image(image_id, tenant="t1")
     a.remove_skill(skill_id, tenant="t1")
     with pytest.raises(UnknownImageError):
         b.generate(ask(image_id), max_new_tokens=1, tenant="t1")
     with pytest.raises(UnknownSkillError):
         b.skill_info(skill_id, tenant="t1")
+
+
+def test_two_engines_share_uploads_skills_and_kv(model_dir, tmp_path, url):
+    a = Engine.from_pretrained(model_dir, store_dir=tmp_path / "a", redis_url=url)
+    b = Engine.from_pretrained(model_dir, store_dir=tmp_path / "b", redis_url=url)
+    image_id, skill_id = share_through(a, b, "redis")
+    # B's hit went to its disk too: a restart of B alone loads from disk
+    b.close()
+    b = Engine.from_pretrained(model_dir, store_dir=tmp_path / "b", redis_url=url)
+    assert b.generate(ask(image_id), max_new_tokens=1, tenant="t1").vision_tower_runs == 0
+    assert b.stats()["disk_hits"] == 1
+    b_files = sorted((tmp_path / "b" / "kv").glob("*/*"))
+    delete_reaches(a, b, image_id, skill_id)
     assert b_files and not [p for p in b_files if p.exists()]  # B's disk KV of both went too
     b.close()
     assert Engine.from_pretrained(model_dir, store_dir=tmp_path / "b", redis_url=url).list_skills("t1") == []
