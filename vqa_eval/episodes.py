@@ -89,6 +89,7 @@ class Episode:
     answers: list[str] = field(default_factory=list)  # every assistant answer, in order
     #: text gates: the field, the value the policy needs and the value current at the last question
     gate: dict[str, str] = field(default_factory=dict)
+    id: str = ""  # the committed split's item id (load_split)
 
     @property
     def answer(self) -> str:
@@ -362,9 +363,7 @@ def load_split(path) -> list[Episode]:
                     parts.append(part)
             msgs.append({"role": m["role"], "content": parts})
         msgs.append({"role": "assistant", "content": [{"type": "text", "text": r["answer"]}]})
-        ep = Episode(r["type"], msgs, images, [], [r["answer"]])
-        ep.id = r["id"]  # type: ignore[attr-defined]
-        eps.append(ep)
+        eps.append(Episode(r["type"], msgs, images, [], [r["answer"]], id=r["id"]))
     return eps
 
 
