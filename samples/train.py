@@ -183,7 +183,7 @@ def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int,
     while True:
         ep = E.build(rng, qtype, level=level, easy_size=easy_size, draw=style.drawer(), before=n_turns - 1,
                      filler_types=singles)
-        if bias <= 0 or (qtype not in D.TYPES and qtype != "same_color" and not ep.gate):
+        if bias <= 0 or qtype in E.LOOKUP_TYPES or (qtype not in D.TYPES and qtype != "same_color" and not ep.gate):
             break
         q = ep.messages[-2]["content"][-1]["text"]
         scene = ep.scenes[-2:] if qtype == "same_color" else ep.scenes[-1] if ep.scenes else None
@@ -300,6 +300,8 @@ def main(argv=None) -> None:
     ap.add_argument("--family", choices=sorted(GRID), required=True)
     ap.add_argument("--size", choices=("tiny", "proxy"), default="tiny",
                     help="proxy: Qwen2.5-VL with a real position scheme (PROXY_GRID, proxy_overrides)")
+    ap.add_argument("--rope-theta", type=float, default=None,
+                    help="the LM's rope_theta for a fresh model (default: model_overrides' or proxy_overrides')")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--minutes", type=float, default=None, help="wall-clock budget")
@@ -336,6 +338,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.minutes is None and args.steps is None:
         ap.error("give --minutes and/or --steps")
+    if args.rope_theta is not None and (args.resume or args.rope_theta <= 0):
+        ap.error("--rope-theta sets a fresh model's rope_theta (> 0); a resumed model keeps its own")
     weights = dict(TYPE_WEIGHTS)
     for item in args.weight:
         name, _, value = item.partition("=")
@@ -365,6 +369,8 @@ def main(argv=None) -> None:
         tokenizer = tiny.build_tokenizer(tokenizer_corpus(), vocab_size=512)
         processor = tiny.build_processor(args.family, tokenizer, grid["min_pixels"], grid["max_pixels"])
         over = proxy_overrides() if args.size == "proxy" else model_overrides(args.family)
+        if args.rope_theta is not None:
+            over["text"]["rope_parameters"]["rope_theta"] = args.rope_theta
         config = tiny.tiny_config(args.family, tokenizer, **over)
         model = AutoModelForImageTextToText.from_config(config)
     model.to(args.device)

@@ -75,13 +75,16 @@ def test_training_command_smoke(tmp_path):
     """A few steps of the training command produce a checkpoint the Auto classes load."""
     out = tmp_path / "ckpt"
     cmd = [sys.executable, str(ROOT / "samples" / "train.py"), "--family", "qwen2_5_vl", "--out", str(out),
-           "--steps", "3", "--batch", "4", "--eval-every", "1000"]
+           "--steps", "3", "--batch", "4", "--eval-every", "1000", "--rope-theta", "1000"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     state = json.loads((out / "train_state.json").read_text())
     assert state["steps"] == 3 and state["final"]
     model, processor = _load(out)
     assert model.config.model_type == "qwen2_5_vl"
+    assert model.config.get_text_config().rope_parameters["rope_theta"] == 1000.0
+    again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert again.returncode == 2 and "--rope-theta" in again.stderr  # a resumed model keeps its own
     assert _answer(model, processor, ROOT / "samples" / "vqa" / "images" / "color-000.png", "what color is the shape ?") is not None
 
 

@@ -51,6 +51,25 @@ def _gate_answer(messages: list[dict]) -> str:
     return "refund" if current == required else "escalate"
 
 
+def _lookup_answer(messages: list[dict]) -> str:
+    """The retrieval types: the asked field's current value, or the value its policy needs."""
+    texts = [t for role, t in _texts(messages) if role != "assistant"]
+    joined = "\n".join(texts)
+    asked = re.search(r"(?:what is the|which) ([a-z ]+?) (?:now|does the policy need) \?", texts[-1])
+    field = asked.group(1).replace(" ", "_")
+    if "policy need" in texts[-1]:
+        phrase, required = POLICY.search(joined).groups()
+        assert phrase.replace(" ", "_") == field
+        return required
+    current = None
+    for line in joined.splitlines():
+        for pat in (FIELD_LINE, ERRATUM):
+            hit = pat.match(line.strip())
+            if hit and hit.group(1) == field:
+                current = hit.group(2)
+    return current
+
+
 def _solve(qtype: str, messages: list[dict], scenes: list[dict]) -> str:
     objs = [[o for o in s["objects"] if o["role"] == "object"] for s in scenes]
     if qtype == "describe":
@@ -76,6 +95,11 @@ def test_every_answer_of_every_type_rederives(qtype):
         assert len(ep.images) == sum(p["type"] == "image" for m in ep.messages for p in m["content"])
         if qtype in E.SPLIT_TYPES:
             assert _solve(qtype, ep.prompt_messages(), [s.to_json() for s in ep.scenes]) == ep.answer
+        if qtype in E.LOOKUP_TYPES:  # every retrieval answer, the earlier ones (after each erratum) too
+            asked = [k for k, m in enumerate(ep.messages) if m["role"] == "assistant"][-len(ep.answers):]
+            for k in asked:
+                if "policy need" in ep.messages[k - 1]["content"][-1]["text"] or "now ?" in ep.messages[k - 1]["content"][-1]["text"]:
+                    assert _lookup_answer(ep.messages[:k]) == ep.messages[k]["content"][0]["text"]
         # every earlier answer is right too (they are supervised in training)
         if qtype == "erratum_gate":
             for k, msg in enumerate(ep.messages):
@@ -84,6 +108,20 @@ def test_every_answer_of_every_type_rederives(qtype):
                     if any(p["type"] == "image" for p in prev):
                         continue  # an image gate filler turn (its own policy)
                     assert _gate_answer(ep.messages[:k]) == msg["content"][0]["text"]
+
+
+def test_lookup_types_keep_the_committed_seeds_and_stay_out_of_the_split():
+    """The retrieval types come after every earlier type in ALL_TYPES (episode_seed indexes it), and
+    the committed split does not ask them; errata change the looked-up value."""
+    assert E.ALL_TYPES[-len(E.LOOKUP_TYPES):] == E.LOOKUP_TYPES
+    assert not set(E.LOOKUP_TYPES) & set(E.SPLIT_TYPES)
+    changed = 0
+    for i in range(200):
+        ep = E.build(random.Random(f"lk-{i}"), "field_value")
+        assert ep.answer == ep.gate["value"]
+        values = [a for a in ep.answers if a in E.FIELDS[ep.gate["field"]]]
+        changed += len(set(values)) > 1
+    assert changed > 50
 
 
 def test_answers_are_balanced_and_errata_change_the_answer():

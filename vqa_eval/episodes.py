@@ -17,6 +17,11 @@ Task types beyond the nine single-image ones of :mod:`mmkv.vqa_eval.dataset`:
   override the field, the latest winning; earlier turns ask and are answered with the value then
   current); ``field_image_gate`` (refund only if the status light has a colour *and* the field has
   a value: an image gate combined with a text field).
+
+Two retrieval types, for training (not in the committed split): ``field_value`` (what is the
+field's current value, after 0-2 errata: the latest wins) and ``policy_value`` (which value does
+the policy need). Each is one half of a text gate with a direct answer, so the lookup the gates
+need gets its own gradient instead of only the XOR of the two halves.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ Q_REFUND = "the customer asks for a refund . answer refund or escalate ."
 Q_AGAIN = "the customer asks again . answer refund or escalate ."
 Q_FIELD_IMAGE = ("policy : refund only if the status light is {color} and the {phrase} is {value} . "
                  "otherwise escalate . the customer asks for a refund . answer refund or escalate .")
+Q_FIELD_VALUE = "what is the {phrase} now ? answer with one word ."
+Q_POLICY_VALUE = "which {phrase} does the policy need ? answer with one word ."
 Q_SAME_COLOR = "is the shape in this image the same color as the shape in the previous image ?"
 Q_MORE_SHAPES = "which image has more shapes , this one or the previous one ? answer this or previous ."
 SYSTEM_PROMPTS = (
@@ -65,7 +72,10 @@ SYSTEM_PROMPTS = (
 IMAGE_TYPES: tuple[str, ...] = D.TYPES + D.EXTRA_TYPES
 TWO_IMAGE_TYPES: tuple[str, ...] = ("same_color", "more_shapes")
 TEXT_TYPES: tuple[str, ...] = ("field_gate", "erratum_gate", "field_image_gate")
-ALL_TYPES: tuple[str, ...] = IMAGE_TYPES + TWO_IMAGE_TYPES + TEXT_TYPES
+#: Retrieval halves of the text gates (training only). Appended last: the committed split's seeds
+#: (episode_seed) index ALL_TYPES, so the earlier types keep their indices.
+LOOKUP_TYPES: tuple[str, ...] = ("field_value", "policy_value")
+ALL_TYPES: tuple[str, ...] = IMAGE_TYPES + TWO_IMAGE_TYPES + TEXT_TYPES + LOOKUP_TYPES
 #: Answer vocabulary of the new one-token types.
 ANSWERS = {"same_color": ("yes", "no"), "more_shapes": ("this", "previous"), "field_gate": ("refund", "escalate"),
            "erratum_gate": ("refund", "escalate"), "field_image_gate": ("refund", "escalate")}
@@ -155,7 +165,7 @@ def build(rng: random.Random, qtype: str, *, level: float = 1.0, easy_size: int 
         raise ValueError(f"unknown task type {qtype!r}; expected one of {ALL_TYPES}")
     n_before = rng.randint(0, 2) if before is None else before
     fillers = filler_types or {t: 1.0 for t in D.TYPES}
-    if qtype in TEXT_TYPES:  # no other refund policy (an image gate's) between the policy and its question
+    if qtype in TEXT_TYPES + LOOKUP_TYPES:  # no other refund policy (an image gate's) between the policy and its question
         fillers = {t: w for t, w in fillers.items() if not t.startswith("gate")} or {"color": 1.0}
 
     def filler(chat: _Chat) -> None:
@@ -201,6 +211,32 @@ def build(rng: random.Random, qtype: str, *, level: float = 1.0, easy_size: int 
     target = rng.choice(list(FIELDS))
     values = FIELDS[target]
     required = rng.choice(values)
+
+    if qtype in LOOKUP_TYPES:
+        actual = rng.choice(values)
+        block = _field_block(rng, target, actual)
+        in_system = rng.random() < 0.65
+        parts = [_policy(rng, target, required)] + ([block] if in_system else [])
+        rng.shuffle(parts)
+        chat = _Chat(_system_with(rng, parts), draw, rng)
+        for _ in range(n_before):
+            filler(chat)
+        if qtype == "policy_value":
+            q = Q_POLICY_VALUE.format(phrase=PHRASE[target])
+            chat.turn(q if in_system else block + "\n" + q, required)
+            return chat.episode(qtype, field=target, required=required, value=actual)
+        q = Q_FIELD_VALUE.format(phrase=PHRASE[target])
+        asked = not in_system or rng.random() < 0.5
+        if asked:
+            chat.turn(q if in_system else block + "\n" + q, actual)
+        for _ in range(rng.randint(0 if asked else 1, 2)):  # errata, each asked about
+            actual = rng.choice([v for v in values if v != actual])
+            lines = [erratum_line(target, actual)]
+            if rng.random() < 0.2:  # another field's erratum changes nothing here
+                other = rng.choice([f for f in FIELDS if f != target])
+                lines.insert(rng.randint(0, 1), erratum_line(other, rng.choice(FIELDS[other])))
+            chat.turn("\n".join(lines) + "\n" + q, actual)
+        return chat.episode(qtype, field=target, required=required, value=actual)
 
     if qtype == "field_gate":
         actual = required if rng.random() < 0.5 else rng.choice([v for v in values if v != required])
@@ -270,6 +306,7 @@ def corpus() -> list[str]:
     """Text of the new tasks (for a tokenizer built from scratch)."""
     out = [Q_REFUND, Q_AGAIN, Q_SAME_COLOR, Q_MORE_SHAPES, D.Q_DESCRIBE, *FILLERS]
     for f, vs in FIELDS.items():
+        out += [Q_FIELD_VALUE.format(phrase=PHRASE[f]), Q_POLICY_VALUE.format(phrase=PHRASE[f])]
         for v in vs:
             out += [p.format(phrase=PHRASE[f], field=f, value=v) for p in POLICIES]
             out += [fmt.format(f=f, v=v) for fmt in FIELD_FORMATS]
