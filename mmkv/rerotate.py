@@ -9,11 +9,15 @@ one cos/sin vector ([head_dim]), not a per-token table: `rotate_into` applies it
 straight into a slice of a preallocated cache at about copy speed. On CPU that is one fused
 pass (a small numba kernel: each key read once, each output written once); elementwise torch
 ops need three passes over the keys (`rotate_into_torch`, also the path for other devices).
+`place_layers` places every layer of a chunk (keys turned, values copied) in one kernel call:
+for a small chunk the per-layer Python and dispatch cost, not the bytes, was the splice's time.
 """
 
 from __future__ import annotations
 
 import numba
+import numba.core.cgutils
+import numba.extending
 import numpy as np
 import torch
 
@@ -110,6 +114,92 @@ def _rotate_rows(out, o_head, o_row, keys, k_head, k_row, heads, rows, dim, cos,
                 x1, x2 = src[i], src[i + half]
                 dst[i] = x1 * cos[i] + x2 * sin[i]
                 dst[i + half] = x2 * cos[i + half] + x1 * sin[i + half]
+
+
+@numba.extending.intrinsic
+def _as_pointer(typingctx, address):  # pragma: no cover - JIT
+    """An integer address as a void pointer (for numba.carray), inside a jitted function."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], numba.core.cgutils.voidptr_t)
+    return numba.types.voidptr(address), codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def _place_layers(jobs, heads, rows, dim, cos, sin, rotate):  # pragma: no cover - JIT
+    """For each layer (a row of `jobs`: destination keys, source keys, destination values, source
+    values, each as address, head stride, row stride in elements), write the source rows into
+    the destination rows: keys turned by (cos, signed sin) when `rotate`, else copied; values
+    copied. One call for every layer of a chunk: the per-layer Python cost is gone."""
+    half = dim // 2
+    for j in range(jobs.shape[0]):
+        for t in range(4):
+            base = jobs[j, 3 * t]
+            span = (heads - 1) * jobs[j, 3 * t + 1] + (rows - 1) * jobs[j, 3 * t + 2] + dim
+            if t == 0:
+                dk = numba.carray(_as_pointer(base), (span,), np.float32)
+            elif t == 1:
+                sk = numba.carray(_as_pointer(base), (span,), np.float32)
+            elif t == 2:
+                dv = numba.carray(_as_pointer(base), (span,), np.float32)
+            else:
+                sv = numba.carray(_as_pointer(base), (span,), np.float32)
+        for h in range(heads):
+            for r in range(rows):
+                o, k = h * jobs[j, 1] + r * jobs[j, 2], h * jobs[j, 4] + r * jobs[j, 5]
+                dst, src = dk[o:o + dim], sk[k:k + dim]
+                if rotate:
+                    for i in range(half):
+                        x1, x2 = src[i], src[i + half]
+                        dst[i] = x1 * cos[i] + x2 * sin[i]
+                        dst[i + half] = x2 * cos[i + half] + x1 * sin[i + half]
+                else:
+                    for i in range(dim):
+                        dst[i] = src[i]
+                o, k = h * jobs[j, 7] + r * jobs[j, 8], h * jobs[j, 10] + r * jobs[j, 11]
+                dst, src = dv[o:o + dim], sv[k:k + dim]
+                for i in range(dim):
+                    dst[i] = src[i]
+
+
+def _rows_view(t: torch.Tensor, heads: int, dim: int, first: int, rows: int):
+    """(address of row `first` of head 0, head stride, row stride) of a CPU float32 tensor
+    [heads, L, dim] or [1, heads, L, dim] whose rows are contiguous and hold rows first..first+rows;
+    None otherwise. (Plain attribute reads only: this runs per layer on the splice's hot path.)"""
+    shape, stride = t.shape, t.stride()
+    if len(shape) == 4 and shape[0] == 1:
+        shape, stride = shape[1:], stride[1:]
+    if (len(shape) != 3 or t.dtype != torch.float32 or t.device.type != "cpu" or t.requires_grad
+            or shape[0] != heads or shape[2] != dim or stride[2] != 1 or first < 0 or first + rows > shape[1]):
+        return None
+    return t.data_ptr() + 4 * first * stride[1], stride[0], stride[1]
+
+
+def place_layers(dst_keys: list[torch.Tensor], dst_values: list[torch.Tensor], at: int,
+                 src_keys: list[torch.Tensor], src_values: list[torch.Tensor], first: int, stop: int,
+                 turn: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    """Write source rows [first, stop) of every layer's keys and values ([kv_heads, L, D]) into
+    destination rows [at, at + stop - first) ([1, kv_heads, L', D]), keys turned by `turn`
+    (`rotation`'s cos, signed sin) or copied when None: one fused call for all layers. Returns
+    False, having written nothing, unless every tensor is a CPU float32 one with contiguous rows
+    and the rows fit (the caller then goes layer by layer)."""
+    n = stop - first
+    if not dst_keys or n <= 0 or not (len(dst_keys) == len(dst_values) == len(src_keys) == len(src_values)):
+        return False
+    heads, dim = src_keys[0].shape[0], src_keys[0].shape[-1]
+    jobs = []
+    for tensors in zip(dst_keys, src_keys, dst_values, src_values):
+        for x, start in zip(tensors, (at, first, at, first)):
+            view = _rows_view(x, heads, dim, start, n)
+            if view is None:
+                return False
+            jobs.extend(view)
+    jobs = np.array(jobs, dtype=np.int64).reshape(len(dst_keys), 12)
+    if turn is None:
+        cos = sin = np.zeros(dim, dtype=np.float32)
+    else:
+        cos, sin = (x.cpu().numpy() for x in turn)
+    _place_layers(jobs, heads, n, dim, cos, sin, turn is not None)
+    return True
 
 
 def reposition_keys(keys: torch.Tensor, from_pos: torch.Tensor, to_pos: torch.Tensor, rope: RopeLayout) -> torch.Tensor:

@@ -28,7 +28,7 @@ from transformers.cache_utils import DynamicLayer
 
 from mmkv.adapters import ImageFeatures, VLAdapter
 from mmkv.chunks import CachedChunk
-from mmkv.rerotate import constant_delta, reposition_keys, rotate_into, rotation
+from mmkv.rerotate import constant_delta, place_layers, reposition_keys, rotate_into, rotation
 
 
 @dataclass
@@ -237,6 +237,9 @@ def place_chunk(layers: list[SlotLayer], p: Placement, first: int, stop: int, ro
     shift = constant_delta(src, dst) if rotate else (0, 0, 0)
     turn = tuple(t.to(layers[0].device) for t in rotation(shift, rope)) if shift is not None and any(shift) else None
     a, b = p.start + first, p.start + stop
+    if shift is not None and place_layers([x.keys for x in layers], [x.values for x in layers], a,
+                                          p.entry.keys, p.entry.values, first, stop, turn):
+        return  # (CPU float32: one fused call for every layer)
     for layer, k, v in zip(layers, p.entry.keys, p.entry.values):
         k, v = k[:, first:stop].to(layer.device), v[:, first:stop].to(layer.device)
         slot_k = layer.keys[0, :, a:b]

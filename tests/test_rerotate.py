@@ -164,3 +164,60 @@ def test_rotate_into_falls_back_where_the_kernel_does_not_apply(adapters):
     half = torch.randn(2, 9, d, dtype=torch.bfloat16)
     got = rotate_into(torch.empty_like(half), half, cos, sin)
     assert got.dtype == torch.bfloat16 and torch.equal(got, rotate_into_torch(torch.empty_like(half), half, cos, sin))
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+@pytest.mark.parametrize("first,stop,at", [(0, 37, 5), (4, 30, 0), (36, 37, 60)])
+def test_place_layers_equals_layer_by_layer_and_writes_only_its_rows(adapters, rotate, first, stop, at):
+    """The one-call placement of every layer (the splice's CPU path) writes exactly what rotating
+    each layer's key rows into the cache and copying its value rows writes, and nothing else."""
+    from mmkv.rerotate import place_layers, rotate_into, rotation
+
+    torch.manual_seed(1)
+    rope = adapters["qwen2_5_vl"].rope
+    d, heads, layers = rope.inv_freq.numel() * 2, 2, 3
+    keys = [torch.randn(heads, 37, d) for _ in range(layers)]
+    values = [torch.randn(heads, 37, d) for _ in range(layers)]
+    turn = rotation((-9, 4, 700), rope) if rotate else None
+    n = stop - first
+    dst_k = [torch.full((1, heads, at + n + 4, d), float("nan")) for _ in range(layers)]
+    dst_v = [x.clone() for x in dst_k]
+    assert place_layers(dst_k, dst_v, at, keys, values, first, stop, turn)
+    for dk, dv, k, v in zip(dst_k, dst_v, keys, values):
+        want = torch.empty(heads, n, d)
+        if rotate:
+            rotate_into(want, k[:, first:stop], *turn)
+        else:
+            want.copy_(k[:, first:stop])
+        assert torch.equal(dk[0, :, at:at + n], want) and torch.equal(dv[0, :, at:at + n], v[:, first:stop])
+        for x in (dk, dv):
+            assert x[0, :, :at].isnan().all() and x[0, :, at + n:].isnan().all()
+
+
+def test_place_layers_refuses_what_it_cannot_place_and_writes_nothing(adapters):
+    """Rows that do not fit, another dtype, strided rows or mismatched heads: False, the cache
+    untouched (the caller goes layer by layer)."""
+    from mmkv.rerotate import place_layers, rotation
+
+    rope = adapters["qwen2_5_vl"].rope
+    d = rope.inv_freq.numel() * 2
+    turn = rotation((3, 3, 3), rope)
+    keys, values = [torch.randn(2, 9, d)] * 2, [torch.randn(2, 9, d)] * 2
+
+    def cache(n=12, dtype=torch.float32, heads=2):
+        return [torch.full((1, heads, n, d), 7.0, dtype=dtype) for _ in range(2)]
+
+    cases = [
+        (cache(), cache(), 4, keys, values, 0, 9),  # rows 4..13 of a 12-slot cache
+        (cache(), cache(), 0, keys, values, 0, 10),  # source rows past the chunk
+        (cache(dtype=torch.bfloat16), cache(dtype=torch.bfloat16), 0, keys, values, 0, 9),
+        (cache(), cache(), 0, [torch.randn(2, d, 9).transpose(-1, -2)] * 2, values, 0, 9),
+        (cache(heads=1), cache(heads=1), 0, keys, values, 0, 9),
+    ]
+    for dk, dv, at, k, v, first, stop in cases:
+        assert not place_layers(dk, dv, at, k, v, first, stop, turn)
+        assert all((x == 7).all() for x in dk + dv)
+    # (a bad layer after good ones: nothing is written to the good ones either)
+    dk, dv = cache(), cache()
+    assert not place_layers(dk, dv, 0, [keys[0], keys[0].to(torch.float64)], values, 0, 9, turn)
+    assert all((x == 7).all() for x in dk + dv)
