@@ -40,15 +40,20 @@ def _gate_answer(messages: list[dict]) -> str:
         phrase, required = m.group(2), m.group(3)
     else:
         phrase, required = POLICY.search(joined).groups()
-    field = phrase.replace(" ", "_")
+    current = _current_value(joined, phrase.replace(" ", "_"))
+    assert current is not None, joined
+    return "refund" if current == required else "escalate"
+
+
+def _current_value(joined: str, field: str) -> str | None:
+    """The field's value after the last field line or erratum that names it."""
     current = None
     for line in joined.splitlines():
         for pat in (FIELD_LINE, ERRATUM):
             hit = pat.match(line.strip())
             if hit and hit.group(1) == field:
                 current = hit.group(2)
-    assert current is not None, joined
-    return "refund" if current == required else "escalate"
+    return current
 
 
 def _lookup_answer(messages: list[dict]) -> str:
@@ -61,13 +66,7 @@ def _lookup_answer(messages: list[dict]) -> str:
         phrase, required = POLICY.search(joined).groups()
         assert phrase.replace(" ", "_") == field
         return required
-    current = None
-    for line in joined.splitlines():
-        for pat in (FIELD_LINE, ERRATUM):
-            hit = pat.match(line.strip())
-            if hit and hit.group(1) == field:
-                current = hit.group(2)
-    return current
+    return _current_value(joined, field)
 
 
 def _solve(qtype: str, messages: list[dict], scenes: list[dict]) -> str:
