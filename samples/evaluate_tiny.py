@@ -36,6 +36,7 @@ from mmkv.vqa_eval.dataset import ANSWERS, CATEGORIES, TYPES, VQAItem, load_vqa_
 MODELS = [ROOT / "samples" / "models" / "qwen2_5_vl-tiny", ROOT / "samples" / "models" / "qwen3_vl-tiny"]
 SET = ROOT / "samples" / "vqa"
 HELDOUT_STYLE = SET / "heldout_style"  # the nine types drawn in the renderer kept out of training
+HELDOUT_DARK = SET / "heldout_dark"  # the same in the second held-out renderer (panel inverted, canvas rescaled)
 EPISODES = SET / "episodes"  # multi-token, two-image, text-field and erratum conversations
 EXPECTATIONS = ROOT / "samples" / "models" / "expected_answers.json"
 SYSTEM = "You are a helpful assistant."
@@ -144,15 +145,18 @@ def evaluate(model_dir: Path, items: list[VQAItem], shuffle_seed: int = 4321, sh
             "shuffle_rounds": len(rounds), "shuffled_predictions": rounds}
 
 
-def evaluate_extra(model_dir: Path, heldout: list[VQAItem], episodes: list) -> dict:
-    """Exact-match accuracy per type on the held-out-style items and on the committed episodes."""
+def evaluate_extra(model_dir: Path, heldout: dict[str, list[VQAItem]], episodes: list) -> dict:
+    """Exact-match accuracy per type on each held-out-style split (key: the split's name) and on
+    the committed episodes."""
     model, processor = load(model_dir)
-    out: dict = {"heldout_style": {}, "episodes": {}}
-    for t in TYPES:
-        group = [it for it in heldout if it.type == t]
-        if group:
-            hits = [answer(model, processor, it.load_image(), it.question)[0] == it.answer for it in group]
-            out["heldout_style"][t] = {"n": len(group), "accuracy": sum(hits) / len(group)}
+    out: dict = {name: {} for name in heldout}
+    out["episodes"] = {}
+    for name, items in heldout.items():
+        for t in TYPES:
+            group = [it for it in items if it.type == t]
+            if group:
+                hits = [answer(model, processor, it.load_image(), it.question)[0] == it.answer for it in group]
+                out[name][t] = {"n": len(group), "accuracy": sum(hits) / len(group)}
     for t in E.SPLIT_TYPES:
         group = [ep for ep in episodes if ep.type == t]
         if group:
@@ -166,7 +170,8 @@ def evaluate_extra(model_dir: Path, heldout: list[VQAItem], episodes: list) -> d
 def markdown_extra(results: list[dict]) -> str:
     lines = ["| split | type | category | n | " + " | ".join(f"{r['model']} acc" for r in results) + " |",
              "|" + "---|" * (4 + len(results))]
-    for split in ("heldout_style", "episodes"):
+    splits = [k for k in results[0] if k.startswith("heldout_")] + ["episodes"]
+    for split in splits:
         for t, v in results[0].get(split, {}).items():
             cat = v.get("category") or next(c for c, ts in CATEGORIES.items() if t in ts)
             lines.append(f"| {split} | {t} | {cat} | {v['n']} | "
@@ -217,7 +222,8 @@ def main(argv=None) -> None:
     ap.add_argument("--shuffle-seed", type=int, default=4321)
     ap.add_argument("--shuffle-rounds", type=int, default=10, help="derangements averaged in the shuffled control")
     ap.add_argument("--limit", type=int, default=None, help="only the first N items of each type (a quick look)")
-    ap.add_argument("--heldout-set", default=str(HELDOUT_STYLE), help="held-out drawing style split ('' skips it)")
+    ap.add_argument("--heldout-set", action="append", default=None,
+                    help="a held-out drawing style split, repeatable (default: heldout_style and heldout_dark; '' skips them)")
     ap.add_argument("--episodes", default=str(EPISODES), help="committed conversation split ('' skips it)")
     ap.add_argument("--json", default=None, help="write the full results here")
     ap.add_argument("--write-expectations", action="store_true",
@@ -230,10 +236,11 @@ def main(argv=None) -> None:
     dirs = [Path(m) for m in args.model] if args.model else [m for m in MODELS if m.exists()]
     results = [evaluate(d, items, args.shuffle_seed, args.shuffle_rounds) for d in dirs]
     print(markdown(results))
-    heldout = load_vqa_set(args.heldout_set) if args.heldout_set else []
+    sets = [Path(p) for p in (args.heldout_set or [str(HELDOUT_STYLE), str(HELDOUT_DARK)]) if p]
+    heldout = {p.name: load_vqa_set(p) for p in sets}
     episodes = E.load_split(args.episodes) if args.episodes else []
     if args.limit:
-        heldout = [it for t in TYPES for it in [i for i in heldout if i.type == t][: args.limit]]
+        heldout = {k: [it for t in TYPES for it in [i for i in v if i.type == t][: args.limit]] for k, v in heldout.items()}
         episodes = [ep for t in E.SPLIT_TYPES for ep in [e for e in episodes if e.type == t][: args.limit]]
     if heldout or episodes:
         for d, r in zip(dirs, results):

@@ -133,6 +133,9 @@ def test_accuracy_command_reports_control_per_type(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "| color | perception | 2 |" in res.stdout
     (r,) = json.loads(out.read_text())
+    for split in ("heldout_style", "heldout_dark"):  # both held-out renderers are scored by default
+        assert set(r[split]) == set(r["types"]) and all(v["n"] == 2 for v in r[split].values())
+        assert f"| {split} | count |" in res.stdout
     assert r["shuffle_rounds"] == 2 and len(r["shuffled_predictions"]) == 2
     ev = _evaluate_tiny()
     truth = {json.loads(line)["id"]: json.loads(line) for line in (ROOT / "samples" / "vqa" / "items.jsonl").open()}

@@ -18,6 +18,7 @@ from mmkv.vqa_eval import episodes as E
 ROOT = Path(__file__).resolve().parents[1]
 EPISODES = ROOT / "samples" / "vqa" / "episodes"
 HELDOUT = ROOT / "samples" / "vqa" / "heldout_style"
+HELDOUT_DARK = ROOT / "samples" / "vqa" / "heldout_dark"
 
 POLICY = re.compile(r"refund only if (?:the )?([a-z_ ]+?) is ([a-z]+) \. otherwise")
 FIELD_IMAGE = re.compile(r"status light is ([a-z]+) and the ([a-z ]+?) is ([a-z]+) \.")
@@ -154,18 +155,44 @@ def test_describe_names_objects_left_to_right_in_distinct_columns():
 
 @pytest.mark.parametrize("style", [s for s in D.STYLES if s != "hollow"])
 def test_styles_draw_the_same_objects(style):
-    """The centre of every filled object keeps its colour in every filled style (hollow: its rim)."""
+    """The centre of every filled object keeps its colour in every filled style (hollow: its rim;
+    dark: the canvas rescaled, so the probe is too)."""
     bad = 0
     for i in range(30):
         rng = random.Random(f"s-{style}-{i}")
         scene, _, _ = D.make_item(rng, rng.choice(D.TYPES))
         img = np.asarray(D.render_styled(scene, rng, style)).astype(int)
+        scale = img.shape[1] / scene.width
+        assert abs(img.shape[0] / scene.height - scale) < 0.05 and (style == "dark" or scale == 1)
         for o in scene.objects:
             x, y = o.probe()
-            if o.size < 12:
+            if o.size * scale < 12:
                 continue
-            bad += D.nearest_color(img[y, x]) != o.color
+            bad += D.nearest_color(img[int(y * scale), int(x * scale)]) != o.color
     assert bad == 0
+
+
+def test_dark_style_inverts_the_panel_and_rescales_the_canvas():
+    """The second held-out renderer: a dark canvas, the panel's card dark and its header light,
+    the status light a ring around a dot, and a canvas 0.6-1.6x the scene's."""
+    scales = []
+    for i in range(20):
+        rng = random.Random(f"dark-{i}")
+        scene, _, _ = D.make_item(rng, "gate_plain")
+        img = np.asarray(D.render_styled(scene, rng, "dark")).astype(int)
+        scale = img.shape[1] / scene.width
+        scales.append(scale)
+        assert img[1, 1].sum() < 200  # a dark canvas corner
+        card = next(ex for ex in scene.extras if ex.get("outline") is not None)
+        header = next(ex for ex in scene.extras if tuple(ex["fill"]) == (70, 70, 80))
+        (x0, y0, x1, y1), (hx0, hy0, hx1, hy1) = card["box"], header["box"]
+        assert img[int((hy0 + hy1) / 2 * scale), int((hx0 + hx1) / 2 * scale)].mean() > 150  # light header
+        light = next(o for o in scene.objects if o.role == "light")
+        r = light.size / 2 * scale
+        between = img[int(light.cy * scale), int((light.cx * scale) + 0.58 * r)]  # between the dot (0.45 r) and the ring (0.72-1 r)
+        assert D.nearest_color(img[int(light.cy * scale), int(light.cx * scale)]) == light.color
+        assert between.mean() < 60, between  # the dark card shows between dot and ring
+    assert min(scales) < 0.9 and max(scales) > 1.3
 
 
 def test_hollow_style_outlines_in_the_object_colour():
@@ -179,7 +206,7 @@ def test_hollow_style_outlines_in_the_object_colour():
 
 
 def test_training_never_draws_the_heldout_style():
-    assert D.HELDOUT_STYLE not in D.TRAIN_STYLES
+    assert not set(D.HELDOUT_STYLES) & set(D.TRAIN_STYLES) and D.HELDOUT_STYLE in D.HELDOUT_STYLES
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("train", ROOT / "samples" / "train.py")
@@ -219,21 +246,22 @@ def test_committed_episode_split_regenerates(tmp_path):
     assert len(eps) == len(committed) and all(len(ep.images) == len(committed[ep.id]["scenes"]) for ep in eps)
 
 
-def test_committed_heldout_style_split_regenerates(tmp_path):
-    meta = json.loads((HELDOUT / "meta.json").read_text())
-    assert meta["style"] == D.HELDOUT_STYLE
+@pytest.mark.parametrize("split,style", [(HELDOUT, "shadow"), (HELDOUT_DARK, "dark")])
+def test_committed_heldout_style_split_regenerates(tmp_path, split, style):
+    meta = json.loads((split / "meta.json").read_text())
+    assert meta["style"] == style and style in D.HELDOUT_STYLES
     rows = D.write_set(tmp_path, meta["seed"], 1, style=meta["style"])
     for r in rows:
-        assert (tmp_path / r["image"]).read_bytes() == (HELDOUT / r["image"]).read_bytes()
-    items = D.load_vqa_set(HELDOUT)
+        assert (tmp_path / r["image"]).read_bytes() == (split / r["image"]).read_bytes()
+    items = D.load_vqa_set(split)
     assert len(items) == meta["n"]
     # its images differ from the flat renderer's for the same scenes
     rng = random.Random(D.item_seed(meta["seed"], "color", 0))
     scene, _, _ = D.make_item(rng, "color")
-    flat = np.asarray(D.render(scene, rng)).astype(int)
-    with Image.open(HELDOUT / "images" / "color-000.png") as im:
-        styled = np.asarray(im.convert("RGB")).astype(int)
-    assert np.abs(flat - styled).mean() > 2
+    flat = D.render(scene, rng)
+    with Image.open(split / "images" / "color-000.png") as im:
+        styled = np.asarray(im.convert("RGB").resize(flat.size)).astype(int)
+    assert np.abs(np.asarray(flat).astype(int) - styled).mean() > 2
 
 
 def test_text_gates_record_what_decides_them():

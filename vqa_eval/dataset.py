@@ -186,10 +186,15 @@ def render(scene: Scene, rng: random.Random, color_jitter: int = 0) -> Image.Ima
 
 #: Renderers seen in training (``flat`` is :func:`render`'s exact palette drawing).
 TRAIN_STYLES: tuple[str, ...] = ("flat", "outline", "hollow", "soft", "noisy")
-#: The renderer kept out of training: anti-aliased shapes with a drop shadow and a dark rim on a
-#: gradient background, panels recoloured. The held-out-style split is drawn with it.
-HELDOUT_STYLE = "shadow"
-STYLES: tuple[str, ...] = TRAIN_STYLES + (HELDOUT_STYLE,)
+#: The renderers kept out of training. ``shadow``: anti-aliased shapes with a drop shadow and a
+#: dark rim on a gradient background, panels recoloured (the ``heldout_style`` split). ``dark``: a
+#: further shift, of the kind issue 16 measured on: a dark canvas, every panel drawn inverted (dark
+#: card, light header and bars), the status light as a ring around a dot, shapes with a light rim,
+#: and the whole canvas drawn at another size, 0.6-1.6x (the ``heldout_dark`` split).
+HELDOUT_STYLES: tuple[str, ...] = ("shadow", "dark")
+HELDOUT_STYLE = HELDOUT_STYLES[0]
+STYLES: tuple[str, ...] = TRAIN_STYLES + HELDOUT_STYLES
+DARK_BACKGROUNDS = ((28, 30, 36), (40, 36, 44), (22, 34, 40))
 
 
 def _shade(rgb: Sequence[int], f: float) -> tuple[int, int, int]:
@@ -212,13 +217,16 @@ def render_styled(scene: Scene, rng: random.Random, style: str, color_jitter: in
 
     ``flat`` is :func:`render`. The others: ``outline`` (filled, dark rim 1-4 px), ``hollow``
     (coloured outline only), ``soft`` (anti-aliased: drawn at 4x, downsampled), ``noisy`` (gradient
-    background, pixel noise), ``shadow`` (held out: anti-aliased, drop shadow, dark rim, gradient).
+    background, pixel noise), ``shadow`` (held out: anti-aliased, drop shadow, dark rim, gradient),
+    ``dark`` (held out: see :data:`HELDOUT_STYLES`; it also changes the canvas size).
     Panels and bars are recoloured a little in every non-flat style. ``jpeg`` is the chance of a
     JPEG re-encode (quality 35-85) afterwards."""
     if style not in STYLES:
         raise ValueError(f"unknown style {style!r}; expected one of {STYLES}")
     if style == "flat":
         img = render(scene, rng, color_jitter=color_jitter)
+    elif style == "dark":
+        img = _render_dark(scene, rng, color_jitter)
     else:
         scale = 4 if style in ("soft", "shadow") else 1
         w, h = scene.width * scale, scene.height * scale
@@ -267,6 +275,31 @@ def render_styled(scene: Scene, rng: random.Random, style: str, color_jitter: in
         with Image.open(buf) as im:
             img = im.convert("RGB")
     return img
+
+
+def _render_dark(scene: Scene, rng: random.Random, color_jitter: int) -> Image.Image:
+    """The ``dark`` held-out renderer (see :data:`HELDOUT_STYLES`): drawn at 4x the target scale,
+    then downsampled (anti-aliased) to the scene's size times 0.6-1.6."""
+    scale = rng.uniform(0.6, 1.6)
+    ss = 4 * scale
+    w, h = max(1, round(scene.width * ss)), max(1, round(scene.height * ss))
+    img = Image.new("RGB", (w, h), rng.choice(DARK_BACKGROUNDS))
+    draw = ImageDraw.Draw(img)
+    for ex in scene.extras:
+        if ex["kind"] == "rect":
+            fill = tuple(255 - c for c in ex["fill"])  # the panel inverted: dark card, light header and bars
+            outline = (200, 200, 210) if ex.get("outline") is not None else None
+            draw.rectangle([v * ss for v in ex["box"]], fill=fill, outline=outline, width=max(1, round(ex.get("line", 1) * ss)))
+    for o in scene.objects:
+        fill = _jitter(COLORS[o.color], rng, color_jitter)
+        cx, cy, size = o.cx * ss, o.cy * ss, o.size * ss
+        if o.role == "light":  # a ring around a dot, not a filled disc
+            _draw_shape(draw, "circle", cx, cy, size, None, outline=fill, width=max(1, round(size * 0.14)))
+            _draw_shape(draw, "circle", cx, cy, size * 0.45, fill)
+        else:
+            _draw_shape(draw, o.shape, cx, cy, size, fill, outline=(235, 235, 235), width=max(1, round(ss)))
+    return img.resize((max(1, round(scene.width * scale)), max(1, round(scene.height * scale))),
+                      Image.Resampling.LANCZOS)
 
 
 def nearest_color(rgb: Sequence[int]) -> str:
@@ -588,7 +621,7 @@ def main(argv: Iterable[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--per-type", type=int, default=40)
     ap.add_argument("--style", default="flat", choices=STYLES,
-                    help=f"drawing style ({HELDOUT_STYLE!r} is the one kept out of training)")
+                    help=f"drawing style ({', '.join(HELDOUT_STYLES)} are kept out of training)")
     ap.add_argument("--photos-from", default=None,
                     help="scikit-image's data folder (skimage/data) to copy a few photographs from")
     args = ap.parse_args(list(argv) if argv is not None else None)
