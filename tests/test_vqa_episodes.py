@@ -156,14 +156,14 @@ def test_describe_names_objects_left_to_right_in_distinct_columns():
 @pytest.mark.parametrize("style", [s for s in D.STYLES if s != "hollow"])
 def test_styles_draw_the_same_objects(style):
     """The centre of every filled object keeps its colour in every filled style (hollow: its rim;
-    dark: the canvas rescaled, so the probe is too)."""
+    dark, varied: the canvas rescaled, so the probe is too)."""
     bad = 0
     for i in range(30):
         rng = random.Random(f"s-{style}-{i}")
         scene, _, _ = D.make_item(rng, rng.choice(D.TYPES))
         img = np.asarray(D.render_styled(scene, rng, style)).astype(int)
         scale = img.shape[1] / scene.width
-        assert abs(img.shape[0] / scene.height - scale) < 0.05 and (style == "dark" or scale == 1)
+        assert abs(img.shape[0] / scene.height - scale) < 0.05 and (style in ("dark", "varied") or scale == 1)
         for o in scene.objects:
             x, y = o.probe()
             if o.size * scale < 12:
@@ -314,3 +314,17 @@ def test_a_batch_of_text_only_episodes_trains():
     labelled = [processor.tokenizer.decode([t for t in row if t >= 0]) for row in batch["labels"].tolist()]
     assert all(x.replace("<|im_end|>", "") in ("refund", "escalate") for x in labelled)
     assert float(model(**batch).loss.detach()) > 0
+
+
+def test_varied_style_draws_backgrounds_of_any_brightness_never_a_palette_colour():
+    """The `varied` training renderer's backgrounds span dark and light greys, each far from every
+    object colour (a background is never read as a shape's colour)."""
+    corners = []
+    for i in range(40):
+        rng = random.Random(f"varied-{i}")
+        scene, _, _ = D.make_item(rng, "color")
+        img = np.asarray(D.render_styled(scene, rng, "varied")).astype(int)
+        c = img[0, 0]
+        corners.append(c.mean())
+        assert min(np.linalg.norm(c - np.asarray(p)) for p in D.COLORS.values()) > 100
+    assert min(corners) < 60 and max(corners) > 200

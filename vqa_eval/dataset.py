@@ -185,7 +185,7 @@ def render(scene: Scene, rng: random.Random, color_jitter: int = 0) -> Image.Ima
 # ----------------------------------------------------------------------------- drawing styles
 
 #: Renderers seen in training (``flat`` is :func:`render`'s exact palette drawing).
-TRAIN_STYLES: tuple[str, ...] = ("flat", "outline", "hollow", "soft", "noisy")
+TRAIN_STYLES: tuple[str, ...] = ("flat", "outline", "hollow", "soft", "noisy", "varied")
 #: The renderers kept out of training. ``shadow``: anti-aliased shapes with a drop shadow and a
 #: dark rim on a gradient background, panels recoloured (the ``heldout_style`` split). ``dark``: a
 #: further shift, of the kind issue 16 measured on: a dark canvas, every panel drawn inverted (dark
@@ -217,7 +217,8 @@ def render_styled(scene: Scene, rng: random.Random, style: str, color_jitter: in
 
     ``flat`` is :func:`render`. The others: ``outline`` (filled, dark rim 1-4 px), ``hollow``
     (coloured outline only), ``soft`` (anti-aliased: drawn at 4x, downsampled), ``noisy`` (gradient
-    background, pixel noise), ``shadow`` (held out: anti-aliased, drop shadow, dark rim, gradient),
+    background, pixel noise), ``varied`` (backgrounds and panels in any grey scheme, optional rims,
+    the canvas rescaled), ``shadow`` (held out: anti-aliased, drop shadow, dark rim, gradient),
     ``dark`` (held out: see :data:`HELDOUT_STYLES`; it also changes the canvas size).
     Panels and bars are recoloured a little in every non-flat style. ``jpeg`` is the chance of a
     JPEG re-encode (quality 35-85) afterwards."""
@@ -227,6 +228,8 @@ def render_styled(scene: Scene, rng: random.Random, style: str, color_jitter: in
         img = render(scene, rng, color_jitter=color_jitter)
     elif style == "dark":
         img = _render_dark(scene, rng, color_jitter)
+    elif style == "varied":
+        img = _render_varied(scene, rng, color_jitter)
     else:
         scale = 4 if style in ("soft", "shadow") else 1
         w, h = scene.width * scale, scene.height * scale
@@ -275,6 +278,45 @@ def render_styled(scene: Scene, rng: random.Random, style: str, color_jitter: in
         with Image.open(buf) as im:
             img = im.convert("RGB")
     return img
+
+
+def _far_from_palette(rng: random.Random, lo: int = 12, hi: int = 245) -> tuple[int, int, int]:
+    """A grey of any brightness, slightly tinted, at least 110 (RGB distance) from every palette
+    colour, so that no background or panel is mistaken for an object's colour."""
+    while True:
+        g = rng.randint(lo, hi)
+        c = tuple(max(0, min(255, g + rng.randint(-18, 18))) for _ in range(3))
+        if all(sum((a - b) ** 2 for a, b in zip(c, p)) ** 0.5 > 110 for p in COLORS.values()):
+            return c  # type: ignore[return-value]
+
+
+def _render_varied(scene: Scene, rng: random.Random, color_jitter: int) -> Image.Image:
+    """The ``varied`` training renderer: a background of any brightness, panels in a random grey
+    scheme (card, header and bars each drawn light or dark), shapes with or without a rim of a
+    random grey, the canvas drawn at 0.7-1.4x the scene's size (anti-aliased)."""
+    scale = rng.uniform(0.7, 1.4)
+    ss = 3 * scale
+    w, h = max(1, round(scene.width * ss)), max(1, round(scene.height * ss))
+    img = Image.new("RGB", (w, h), _far_from_palette(rng))
+    draw = ImageDraw.Draw(img)
+    card, header = _far_from_palette(rng), _far_from_palette(rng)
+    for ex in scene.extras:
+        if ex["kind"] == "rect":
+            if ex.get("outline") is not None:
+                fill, outline = card, _far_from_palette(rng)
+            elif tuple(ex["fill"]) == (70, 70, 80):
+                fill, outline = header, None
+            else:
+                fill, outline = _far_from_palette(rng), None
+            draw.rectangle([v * ss for v in ex["box"]], fill=fill, outline=outline,
+                           width=max(1, round(ex.get("line", 1) * ss)))
+    rim = _far_from_palette(rng) if rng.random() < 0.5 else None
+    rim_w = max(1, round(rng.uniform(0.5, 2.5) * ss))
+    for o in scene.objects:
+        fill = _jitter(COLORS[o.color], rng, color_jitter)
+        _draw_shape(draw, o.shape, o.cx * ss, o.cy * ss, o.size * ss, fill, outline=rim, width=rim_w)
+    return img.resize((max(1, round(scene.width * scale)), max(1, round(scene.height * scale))),
+                      Image.Resampling.LANCZOS)
 
 
 def _render_dark(scene: Scene, rng: random.Random, color_jitter: int) -> Image.Image:
