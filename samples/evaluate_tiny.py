@@ -167,10 +167,10 @@ def evaluate_extra(model_dir: Path, heldout: dict[str, list[VQAItem]], episodes:
     return out
 
 
-def markdown_extra(results: list[dict]) -> str:
+def markdown_extra(results: list[dict], splits: list[str]) -> str:
+    """One row per (split, type): `splits` names the held-out splits scored, then "episodes"."""
     lines = ["| split | type | category | n | " + " | ".join(f"{r['model']} acc" for r in results) + " |",
              "|" + "---|" * (4 + len(results))]
-    splits = [k for k in results[0] if k.startswith("heldout_")] + ["episodes"]
     for split in splits:
         for t, v in results[0].get(split, {}).items():
             cat = v.get("category") or next(c for c, ts in CATEGORIES.items() if t in ts)
@@ -246,7 +246,7 @@ def main(argv=None) -> None:
         for d, r in zip(dirs, results):
             r.update(evaluate_extra(d, heldout, episodes))
         print()
-        print(markdown_extra(results))
+        print(markdown_extra(results, [*heldout, "episodes"]))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.write_expectations:
