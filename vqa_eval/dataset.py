@@ -31,7 +31,7 @@ import random
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from PIL import Image, ImageDraw
 
@@ -290,15 +290,27 @@ def _far_from_palette(rng: random.Random, lo: int = 12, hi: int = 245) -> tuple[
             return c  # type: ignore[return-value]
 
 
+def _supersampled(scene: Scene, rng: random.Random, scales: tuple[float, float], factor: int,
+                  background: Callable[[random.Random], tuple[int, int, int]]):
+    """A canvas for an anti-aliased renderer: the scene drawn at ``factor`` times a scale drawn from
+    ``scales`` (the scale first, then the background, from ``rng``: the committed held-out splits
+    depend on that order). Returns (image, draw, supersampled scale, output scale)."""
+    scale = rng.uniform(*scales)
+    ss = factor * scale
+    img = Image.new("RGB", (max(1, round(scene.width * ss)), max(1, round(scene.height * ss))), background(rng))
+    return img, ImageDraw.Draw(img), ss, scale
+
+
+def _downsampled(img: Image.Image, scene: Scene, scale: float) -> Image.Image:
+    return img.resize((max(1, round(scene.width * scale)), max(1, round(scene.height * scale))),
+                      Image.Resampling.LANCZOS)
+
+
 def _render_varied(scene: Scene, rng: random.Random, color_jitter: int) -> Image.Image:
     """The ``varied`` training renderer: a background of any brightness, panels in a random grey
     scheme (card, header and bars each drawn light or dark), shapes with or without a rim of a
     random grey, the canvas drawn at 0.7-1.4x the scene's size (anti-aliased)."""
-    scale = rng.uniform(0.7, 1.4)
-    ss = 3 * scale
-    w, h = max(1, round(scene.width * ss)), max(1, round(scene.height * ss))
-    img = Image.new("RGB", (w, h), _far_from_palette(rng))
-    draw = ImageDraw.Draw(img)
+    img, draw, ss, scale = _supersampled(scene, rng, (0.7, 1.4), 3, _far_from_palette)
     card, header = _far_from_palette(rng), _far_from_palette(rng)
     for ex in scene.extras:
         if ex["kind"] == "rect":
@@ -315,18 +327,13 @@ def _render_varied(scene: Scene, rng: random.Random, color_jitter: int) -> Image
     for o in scene.objects:
         fill = _jitter(COLORS[o.color], rng, color_jitter)
         _draw_shape(draw, o.shape, o.cx * ss, o.cy * ss, o.size * ss, fill, outline=rim, width=rim_w)
-    return img.resize((max(1, round(scene.width * scale)), max(1, round(scene.height * scale))),
-                      Image.Resampling.LANCZOS)
+    return _downsampled(img, scene, scale)
 
 
 def _render_dark(scene: Scene, rng: random.Random, color_jitter: int) -> Image.Image:
     """The ``dark`` held-out renderer (see :data:`HELDOUT_STYLES`): drawn at 4x the target scale,
     then downsampled (anti-aliased) to the scene's size times 0.6-1.6."""
-    scale = rng.uniform(0.6, 1.6)
-    ss = 4 * scale
-    w, h = max(1, round(scene.width * ss)), max(1, round(scene.height * ss))
-    img = Image.new("RGB", (w, h), rng.choice(DARK_BACKGROUNDS))
-    draw = ImageDraw.Draw(img)
+    img, draw, ss, scale = _supersampled(scene, rng, (0.6, 1.6), 4, lambda r: r.choice(DARK_BACKGROUNDS))
     for ex in scene.extras:
         if ex["kind"] == "rect":
             fill = tuple(255 - c for c in ex["fill"])  # the panel inverted: dark card, light header and bars
@@ -340,8 +347,7 @@ def _render_dark(scene: Scene, rng: random.Random, color_jitter: int) -> Image.I
             _draw_shape(draw, "circle", cx, cy, size * 0.45, fill)
         else:
             _draw_shape(draw, o.shape, cx, cy, size, fill, outline=(235, 235, 235), width=max(1, round(ss)))
-    return img.resize((max(1, round(scene.width * scale)), max(1, round(scene.height * scale))),
-                      Image.Resampling.LANCZOS)
+    return _downsampled(img, scene, scale)
 
 
 def nearest_color(rgb: Sequence[int]) -> str:
