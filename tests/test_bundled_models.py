@@ -157,3 +157,62 @@ def test_training_command_rejects_a_bad_type_weight(tmp_path, bad):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 2 and "--weight" in res.stderr
     assert not (tmp_path / "x").exists()
+
+
+def _readme_erratum_example() -> dict:
+    """The skill text, the field line, the questions, the erratum and the printed answers of README's
+    "Skills and errata" example, read from README itself (the test follows README, not a copy)."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    block = text.split("### Skills and errata", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    got = {
+        "skill": re.search(r'"text": "([^"]+)"', block).group(1),
+        "field": re.search(r'"text": "\\n(\w+): (\w+)"', block).groups(),
+        "questions": re.findall(r'"(the customer asks[^"]+)"', block),
+        "update": re.search(r'"field": "(\w+)", "value": "(\w+)"', block).groups(),
+        "model": re.search(r'model="([^"]+)"', block).group(1),
+        "printed": re.search(r'\)\s+# (\w+) -> (\w+)\s*$', block, re.M).groups(),
+    }
+    assert len(got["questions"]) == 2
+    return got
+
+
+def test_readme_skill_and_erratum_example_answers_as_printed():
+    """README's flagship errata example, over HTTP with the official client on the bundled model it
+    names: the first answer and the one after the erratum are what README prints, through the
+    splice (skill spliced, earlier turns from the prefix cache) and through a full recompute."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import mmkv
+    from mmkv.server.app import ServerSettings, create_app
+    from test_server import LiveServer
+
+    ex = _readme_erratum_example()
+    engine = mmkv.Engine.from_pretrained(_checkpoint_dir(ex["model"]))
+    server = LiveServer(create_app(engine, ServerSettings()))
+    try:
+        import httpx
+
+        skill = httpx.post(f"{server.base_url}/v1/skills", json={"name": "refunds", "text": ex["skill"]}).json()
+        client = server.client()
+        field, value = ex["field"]
+        history = [{"role": "system", "content": [{"type": "skill", "skill_id": skill["id"]},
+                                                  {"type": "text", "text": f"\n{field}: {value}"}]},
+                   {"role": "user", "content": ex["questions"][0]}]
+
+        def ask(reuse: bool = True) -> tuple[str, dict]:
+            r = client.chat.completions.create(model=ex["model"], messages=history, max_tokens=4, temperature=0,
+                                               extra_body={} if reuse else {"mmkv": {"reuse": False}})
+            return r.choices[0].message.content.strip(), r.model_extra["mmkv"]
+
+        first, info = ask()
+        assert info["skill_tokens_reused"] > 0
+        assert first == ask(reuse=False)[0] == ex["printed"][0]
+        history += [{"role": "assistant", "content": first},
+                    {"role": "user", "content": [{"type": "state_update", "field": ex["update"][0], "value": ex["update"][1]},
+                                                 {"type": "text", "text": ex["questions"][1]}]}]
+        second, info = ask()
+        assert info["prefix_tokens_reused"] > 0
+        assert second == ask(reuse=False)[0] == ex["printed"][1]
+    finally:
+        server.close()
