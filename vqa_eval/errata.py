@@ -12,10 +12,11 @@ label, short, with the rest of C after it). Every arm is first served C, then me
 - `stale` (control): C asked again, the update never sent.
 
 Every arm runs in its own tenant namespace (its own prefix cache and recent prompts), so no arm
-sees another's requests. The bundled tiny models were never trained to read such a field: their
-answer to the final question does not depend on it. On them this task shows whether a policy
-keeps the answer a recompute gives and what it costs (prefix hit-rate, TTFT, what `applied`), not
-whether a model follows the update; that needs a checkpoint that reads the field.
+sees another's requests. The final question is an image question whose answer does not depend on
+the field (`stale` shows it), so this task shows whether a policy keeps the answer a recompute
+gives and what it costs (prefix hit-rate, TTFT, what `applied`), not whether a model follows the
+update. The bundled tiny models learned fields and errata only in front of a refund question;
+whether they follow an update is `--task episodes`' `erratum_gate`.
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def errata_markdown(report: dict) -> str:
         lines.append(f"| {a} | {rate(e['agreement'])} | {rate(e['accuracy'])} | {e['logit_cosine_mean']:.4f} | "
                      f"{e['hit_rate']:.3f} | {e['ttft_median_s'] * 1000:.1f} | {e['lm_tokens_computed']:.1f} | "
                      f"{e['detected']}/{report['n']} | {applied} | {reasons} |")
-    lines += ["", "The tiny models were not trained to read the field: `stale` agreeing with `recompute` shows the "
-              "answer does not depend on it, so agreement here says a policy keeps the recompute's answer, not that "
-              "the model follows the update."]
+    lines += ["", "The final question does not depend on the field: `stale` agreeing with `recompute` shows it, so "
+              "agreement here says a policy keeps the recompute's answer, not that the model follows the update "
+              "(`--task episodes`' `erratum_gate` asks that)."]
     return "\n".join(lines) + "\n"
