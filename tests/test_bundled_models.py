@@ -182,7 +182,8 @@ def test_readme_skill_and_erratum_example_answers_as_printed():
     """README's flagship errata example, over HTTP with the official client on the bundled model it
     names: the first answer and the one after the erratum are what README prints, through the
     splice (skill spliced, earlier turns from the prefix cache) and through a full recompute."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    import httpx
+
     import mmkv
     from mmkv.server.app import ServerSettings, create_app
     from test_server import LiveServer
@@ -191,8 +192,6 @@ def test_readme_skill_and_erratum_example_answers_as_printed():
     engine = mmkv.Engine.from_pretrained(_checkpoint_dir(ex["model"]))
     server = LiveServer(create_app(engine, ServerSettings()))
     try:
-        import httpx
-
         skill = httpx.post(f"{server.base_url}/v1/skills", json={"name": "refunds", "text": ex["skill"]}).json()
         client = server.client()
         field, value = ex["field"]
