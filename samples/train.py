@@ -222,10 +222,13 @@ class Batcher:
         return labels
 
     def batch(self, rng: random.Random, size: int, level: float, max_turns: int = 4, bias: float = 0.0,
-              types: dict[str, float] | None = None, style: Style = Style()):
+              types: dict[str, float] | None = None, style: Style = Style(),
+              turn_weights: dict[int, float] | None = None):
         texts, images = [], []
-        turns = [n for n in TURN_WEIGHTS if n <= max_turns]
-        n_turns = rng.choices(turns, weights=[TURN_WEIGHTS[n] for n in turns])[0]  # one count per batch: little padding
+        tw = TURN_WEIGHTS if turn_weights is None else turn_weights
+        turns = [n for n in tw if n <= max_turns and tw[n] > 0]
+        weights = [tw[n] for n in turns] if turns else [1.0]
+        n_turns = rng.choices(turns or [1], weights=weights)[0]  # one count per batch: little padding
         types = TYPE_WEIGHTS if types is None else types
         long = {t: w for t, w in types.items() if t in LONG_TYPES and w > 0}
         if long:  # the long episodes get batches of their own (padding), with at most one earlier turn
@@ -256,15 +259,19 @@ def quick_eval(model, processor, episodes) -> dict[str, float]:
     return {t: sum(v) / len(v) for t, v in hits.items()}
 
 
-def heldout(n_per_type: int, seed: int, types, level: float = 1.0, n_style: int = 0):
+def heldout(n_per_type: int, seed: int, types, level: float = 1.0, n_style: int = 0, history: bool = False):
     """Validation episodes from string seeds ``val-<seed>-...`` (never the training seeds nor the
-    committed splits' integer seeds): ``n_per_type`` of each type (single question, flat drawing),
-    and ``n_style`` of each single-image type drawn in the held-out style (key ``style:<type>``)."""
+    committed splits' integer seeds): ``n_per_type`` of each type (flat drawing), and ``n_style`` of
+    each single-image type drawn in the held-out style (key ``style:<type>``).
+
+    The typed episodes are single questions, or with ``history`` (seeds ``valh-...``) preceded by
+    0-2 image Q/A turns as in the committed conversation split: the text gates fail there far more
+    often than on single questions, which a single-question validation never shows."""
     out = []
     for t in types:
         for i in range(n_per_type):
-            rng = random.Random(f"val-{seed}-{t}-{i}")
-            out.append((t, E.build(rng, t, level=level, before=0)))
+            rng = random.Random(f"valh-{seed}-{t}-{i}" if history else f"val-{seed}-{t}-{i}")
+            out.append((t, E.build(rng, t, level=level, before=None if history else 0)))
     draw = lambda scene, rng: D.render_styled(scene, rng, D.HELDOUT_STYLE)  # noqa: E731
     for t in D.TYPES if n_style else ():
         for i in range(n_style):
@@ -330,6 +337,10 @@ def main(argv=None) -> None:
     ap.add_argument("--val-per-type", type=int, default=12, help="validation episodes per trained type")
     ap.add_argument("--val-style", type=int, default=0,
                     help="validation episodes per single-image type in the held-out style")
+    ap.add_argument("--val-history", action="store_true",
+                    help="validation episodes with 0-2 earlier image turns, like the committed conversation split")
+    ap.add_argument("--turn-weight", action="append", default=[], metavar="N=W",
+                    help="override the sampling weight of N-question conversations (TURN_WEIGHTS); repeatable")
     ap.add_argument("--best", default=None,
                     help="also save to this dir whenever the validation mean (over trained types and the "
                          "held-out style) is at least the best so far: weights chosen on validation only")
@@ -351,6 +362,18 @@ def main(argv=None) -> None:
             ap.error(f"--weight wants TYPE=NUMBER, got {item!r}")
         if weights[name] < 0:
             ap.error(f"--weight {item!r}: weights are >= 0")
+    turn_weights = dict(TURN_WEIGHTS)
+    for item in args.turn_weight:
+        name, _, value = item.partition("=")
+        try:
+            n, w = int(name), float(value)
+        except ValueError:
+            ap.error(f"--turn-weight wants N=NUMBER, got {item!r}")
+        if n not in TURN_WEIGHTS or w < 0:
+            ap.error(f"--turn-weight {item!r}: N is one of {', '.join(map(str, TURN_WEIGHTS))}, the weight >= 0")
+        turn_weights[n] = w
+    if not any(turn_weights.values()):
+        ap.error("--turn-weight: at least one conversation length needs a weight above 0")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -384,7 +407,8 @@ def main(argv=None) -> None:
     batcher = Batcher(processor, args.family, grid["factor"])
     warm_types = {t: weights[t] for t in WARM_TYPES}
     style = Style(p=args.style_p, jpeg=args.jpeg)
-    val = heldout(args.val_per_type, args.seed, [t for t, w in weights.items() if w > 0], n_style=args.val_style)
+    val = heldout(args.val_per_type, args.seed, [t for t, w in weights.items() if w > 0], n_style=args.val_style,
+                  history=args.val_history)
     best = {"score": -1.0, "step": None}
     budget_s = args.minutes * 60 if args.minutes else None
     t0 = time.time()
@@ -407,7 +431,7 @@ def main(argv=None) -> None:
     def state(final: bool) -> dict:
         return {"family": args.family, "size": args.size, "seed": args.seed, "steps": step, "batch": args.batch, "lr": args.lr,
                 "minutes_budget": args.minutes, "steps_budget": args.steps, "elapsed_s": round(time.time() - t0, 1),
-                "threads": args.threads, "device": args.device, "type_weights": weights, "params": n_params, "final": final, "loss_ema": ema,
+                "threads": args.threads, "device": args.device, "type_weights": weights, "turn_weights": turn_weights, "params": n_params, "final": final, "loss_ema": ema,
                 "max_pixels": grid["max_pixels"], "min_pixels": grid["min_pixels"],
                 "command": "python samples/train.py " + " ".join(sys.argv[1:] if argv is None else argv),
                 "earlier_runs": earlier,
@@ -438,7 +462,7 @@ def main(argv=None) -> None:
         bias = min(1.0, max(0.0, (args.skew_until - p) / 0.3))  # (0 throughout with --skew-until 0)
         types = warm_types if p < args.warm_until else weights
         batch = batcher.batch(rng, args.batch, level, max_turns=1 if p < args.single_until else 4, bias=bias,
-                              types=types, style=style)
+                              types=types, style=style, turn_weights=turn_weights)
         loss = model(**batch.to(args.device)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -159,6 +159,19 @@ def test_training_command_rejects_a_bad_type_weight(tmp_path, bad):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("bad", ["5=1", "two=1", "1=-0.5", "1=0,2=0"])
+def test_training_command_rejects_a_bad_turn_weight(tmp_path, bad):
+    cmd = [sys.executable, str(ROOT / "samples" / "train.py"), "--family", "qwen2_5_vl", "--out", str(tmp_path / "x"),
+           "--steps", "1"]
+    for item in bad.split(","):
+        cmd += ["--turn-weight", item]
+    if bad == "1=0,2=0":
+        cmd += ["--turn-weight", "3=0", "--turn-weight", "4=0"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 2 and "--turn-weight" in res.stderr
+    assert not (tmp_path / "x").exists()
+
+
 def _readme_erratum_example() -> dict:
     """The skill text, the field line, the questions, the erratum and the printed answers of README's
     "Skills and errata" example, read from README itself (the test follows README, not a copy)."""

@@ -328,3 +328,26 @@ def test_varied_style_draws_backgrounds_of_any_brightness_never_a_palette_colour
         corners.append(c.mean())
         assert min(np.linalg.norm(c - np.asarray(p)) for p in D.COLORS.values()) > 100
     assert min(corners) < 60 and max(corners) > 200
+
+
+def test_history_validation_draws_earlier_turns_like_the_committed_split():
+    """`train.py --val-history`: validation episodes carry 0-2 earlier image turns, as the committed
+    conversation split does (text gates fail there far more often than on single questions), and
+    none of them is a committed episode."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("train", ROOT / "samples" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    sys.modules["train"] = train
+    spec.loader.exec_module(train)
+    single = train.heldout(12, 5, ["field_gate"])
+    hist = train.heldout(12, 5, ["field_gate"], history=True)
+    n_user = lambda ep: sum(m["role"] == "user" for m in ep.messages)  # noqa: E731
+    assert {n_user(ep) for _, ep in single} <= {1, 2}  # (a field block may take its own turn)
+    assert len({len(ep.images) for _, ep in hist}) == 3 and {len(ep.images) for _, ep in hist} == {0, 1, 2}
+    assert all(len(ep.images) == 0 for _, ep in single)
+    committed = [json.loads(line)["messages"] for line in (EPISODES / "episodes.jsonl").open()]
+    texts = {json.dumps([p.get("text") for m in msgs for p in m["content"]]) for msgs in committed}
+    for _, ep in hist:
+        assert json.dumps([p.get("text") for m in ep.prompt_messages() for p in m["content"]]) not in texts
