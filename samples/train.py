@@ -171,18 +171,35 @@ class Style:
         return draw
 
 
+def light_case(ep) -> tuple[bool, bool]:
+    """A ``field_image_gate`` episode's (light matches the asked colour, field matches the needed value)."""
+    q = ep.messages[-2]["content"][-1]["text"]
+    light = next(o.color for o in ep.scenes[-1].objects if o.role == "light")
+    return q.split("status light is ", 1)[1].split(" ", 1)[0] == light, ep.gate["value"] == ep.gate["required"]
+
+
 def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int,
-                 types: dict[str, float] | None = None, bias: float = 0.0, style: Style = Style()):
+                 types: dict[str, float] | None = None, bias: float = 0.0, style: Style = Style(),
+                 light_focus: float = 0.0):
     """(messages, images, answers) of one episode (vqa_eval/episodes.py) whose asked type is drawn
     from ``types`` (default :data:`TYPE_WEIGHTS`), after ``n_turns - 1`` earlier image Q/A turns.
 
-    ``bias`` in [0, 1] is the strength of the early answer skew (:data:`SKEW`) on the asked turn."""
+    ``bias`` in [0, 1] is the strength of the early answer skew (:data:`SKEW`) on the asked turn.
+    ``light_focus``: the share of ``field_image_gate`` episodes redrawn until the field matches, the
+    light matching or not with even odds: the answer then hangs on the image alone. (In the split's
+    own mix the field matches in 4 of 6 and the light then in 3 of 4: a model that reads the field
+    and answers `refund` whenever it matches scores 0.83 without looking at the light.)"""
     types = {t: w for t, w in (TYPE_WEIGHTS if types is None else types).items() if w > 0}
     singles = {t: types.get(t, 0.0) for t in D.TYPES if types.get(t, 0.0) > 0} or None
     qtype = rng.choices(list(types), weights=list(types.values()))[0]
+    want_light = None
+    if qtype == "field_image_gate" and light_focus > 0 and rng.random() < light_focus:
+        want_light = rng.random() < 0.5
     while True:
         ep = E.build(rng, qtype, level=level, easy_size=easy_size, draw=style.drawer(), before=n_turns - 1,
                      filler_types=singles)
+        if want_light is not None and light_case(ep) != (want_light, True):
+            continue
         if bias <= 0 or qtype in E.LOOKUP_TYPES or (qtype not in D.TYPES and qtype != "same_color" and not ep.gate):
             break
         q = ep.messages[-2]["content"][-1]["text"]
@@ -223,7 +240,7 @@ class Batcher:
 
     def batch(self, rng: random.Random, size: int, level: float, max_turns: int = 4, bias: float = 0.0,
               types: dict[str, float] | None = None, style: Style = Style(),
-              turn_weights: dict[int, float] | None = None):
+              turn_weights: dict[int, float] | None = None, light_focus: float = 0.0):
         texts, images = [], []
         tw = TURN_WEIGHTS if turn_weights is None else turn_weights
         turns = [n for n in tw if n <= max_turns and tw[n] > 0]
@@ -237,7 +254,8 @@ class Batcher:
             else:
                 types = {t: w for t, w in types.items() if t not in LONG_TYPES}
         for _ in range(size):
-            msgs, imgs, _ = conversation(rng, level, self.easy_size, n_turns, types=types, bias=bias, style=style)
+            msgs, imgs, _ = conversation(rng, level, self.easy_size, n_turns, types=types, bias=bias, style=style,
+                                         light_focus=light_focus)
             texts.append(self.proc.apply_chat_template(msgs, tokenize=False))
             images.extend(imgs)
         enc = self.proc(text=texts, images=images or None, return_tensors="pt", padding=True)  # (a text-only batch)
@@ -341,6 +359,9 @@ def main(argv=None) -> None:
                     help="validation episodes with 0-2 earlier image turns, like the committed conversation split")
     ap.add_argument("--turn-weight", action="append", default=[], metavar="N=W",
                     help="override the sampling weight of N-question conversations (TURN_WEIGHTS); repeatable")
+    ap.add_argument("--light-focus", type=float, default=0.0,
+                    help="share of field_image_gate episodes redrawn so that the field matches and the "
+                         "light decides (even odds): the image half of the question (see conversation)")
     ap.add_argument("--best", default=None,
                     help="also save to this dir whenever the validation mean (over trained types and the "
                          "held-out style) is at least the best so far: weights chosen on validation only")
@@ -372,6 +393,8 @@ def main(argv=None) -> None:
         if n not in TURN_WEIGHTS or w < 0:
             ap.error(f"--turn-weight {item!r}: N is one of {', '.join(map(str, TURN_WEIGHTS))}, the weight >= 0")
         turn_weights[n] = w
+    if not 0 <= args.light_focus <= 1:
+        ap.error("--light-focus is a share in [0, 1]")
     if not any(turn_weights.values()):
         ap.error("--turn-weight: at least one conversation length needs a weight above 0")
     torch.set_num_threads(args.threads)
@@ -437,7 +460,7 @@ def main(argv=None) -> None:
                 "earlier_runs": earlier,
                 "total_steps": step + sum(r.get("steps") or 0 for r in earlier),
                 "total_elapsed_s": round(time.time() - t0 + sum(r.get("elapsed_s") or 0 for r in earlier), 1),
-                "style_p": args.style_p, "jpeg": args.jpeg, "best": best,
+                "style_p": args.style_p, "jpeg": args.jpeg, "light_focus": args.light_focus, "best": best,
                 "history": history[-50:]}
 
     def evaluate() -> None:
@@ -462,7 +485,7 @@ def main(argv=None) -> None:
         bias = min(1.0, max(0.0, (args.skew_until - p) / 0.3))  # (0 throughout with --skew-until 0)
         types = warm_types if p < args.warm_until else weights
         batch = batcher.batch(rng, args.batch, level, max_turns=1 if p < args.single_until else 4, bias=bias,
-                              types=types, style=style, turn_weights=turn_weights)
+                              types=types, style=style, turn_weights=turn_weights, light_focus=args.light_focus)
         loss = model(**batch.to(args.device)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

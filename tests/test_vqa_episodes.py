@@ -351,3 +351,35 @@ def test_history_validation_draws_earlier_turns_like_the_committed_split():
     texts = {json.dumps([p.get("text") for m in msgs for p in m["content"]]) for msgs in committed}
     for _, ep in hist:
         assert json.dumps([p.get("text") for m in ep.prompt_messages() for p in m["content"]]) not in texts
+
+
+def test_light_focus_makes_the_light_decide_field_image_gates(monkeypatch):
+    """`train.py --light-focus 1`: every field_image_gate episode has the field matching and the
+    light matching about half the time (the answer hangs on the image); 0 leaves the split's mix,
+    where the field matches in 4 of 6 and the light then in 3 of 4."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("train", ROOT / "samples" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    sys.modules["train"] = train
+    spec.loader.exec_module(train)
+    built = []
+    orig = E.build
+    monkeypatch.setattr(E, "build", lambda *a, **kw: built.append(orig(*a, **kw)) or built[-1])
+
+    def cases(focus: float) -> list[tuple[bool, bool]]:
+        rng = random.Random(3)
+        out = []
+        for _ in range(80):
+            built.clear()
+            _, _, answers = train.conversation(rng, 1.0, 56, 1, types={"field_image_gate": 1.0}, light_focus=focus)
+            light_ok, field_ok = train.light_case(built[-1])
+            assert answers[-1] == ("refund" if light_ok and field_ok else "escalate")
+            out.append((light_ok, field_ok))
+        return out
+
+    focused = cases(1.0)
+    assert all(f for _, f in focused) and 24 <= sum(l for l, _ in focused) <= 56  # binomial(80, 0.5) +- 3.6 sd
+    plain = cases(0.0)
+    assert 0.45 < sum(f for _, f in plain) / 80 < 0.85 and sum(l and f for l, f in plain) > 24
