@@ -78,6 +78,38 @@ def tokenizer_corpus() -> list[str]:
     return out + E.corpus() * 10  # field lines, policies, errata and the new questions stay short
 
 
+#: Words the bundled checkpoints' 496-token BPE (trained in stage 1, before the text tasks were in
+#: the corpus) spells out letter by letter (`unpaid` is `u n p a i d`, and ends in the
+#: letters of `paid`; `delivered`, `shipped`, `returned` share `e d`; the JSON format splits them
+#: otherwise than the plain one): a text gate then compares two letter strings across formats.
+#: ``--word-tokens`` adds each as one token (whole words only, so `paid` never matches in `unpaid`);
+#: the new embedding rows start as the mean of the letters' rows.
+WORD_TOKENS: tuple[str, ...] = tuple(v for vs in E.FIELDS.values() for v in vs) + tuple(E.FIELDS) + ("order",)
+ERRATUM_TOKEN = "[STATE UPDATE]"
+
+
+def add_word_tokens(model, tokenizer) -> int:
+    """Add :data:`WORD_TOKENS` and the erratum marker to ``tokenizer`` (those missing) and resize
+    ``model``'s embeddings and LM head; returns how many were added."""
+    from tokenizers import AddedToken
+
+    have = set(tokenizer.get_added_vocab())
+    new = [w for w in WORD_TOKENS + (ERRATUM_TOKEN,)
+           if w not in have and len(tokenizer.encode(w, add_special_tokens=False)) > 1]
+    if not new:
+        return 0
+    pieces = {w: tokenizer.encode(w, add_special_tokens=False) for w in new}
+    tokenizer.add_tokens([AddedToken(w, single_word=w != ERRATUM_TOKEN, normalized=False) for w in new])
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    with torch.no_grad():
+        for w in new:
+            i = tokenizer.convert_tokens_to_ids(w)
+            emb[i] = emb[pieces[w]].mean(0)
+            head[i] = head[pieces[w]].mean(0)
+    return len(new)
+
+
 #: The proxy (``--size proxy``, Qwen2.5-VL only): a real model's position scheme at a trainable size.
 #: rope_theta 1e6 with head_dim 64 and mrope sections [8, 12, 12] (Qwen2.5-VL's [16, 24, 24] halved:
 #: the real proportions), 8 LM layers, images of 64-256 tokens (224^2 to 448^2 pixels).
@@ -359,6 +391,8 @@ def main(argv=None) -> None:
                     help="validation episodes with 0-2 earlier image turns, like the committed conversation split")
     ap.add_argument("--turn-weight", action="append", default=[], metavar="N=W",
                     help="override the sampling weight of N-question conversations (TURN_WEIGHTS); repeatable")
+    ap.add_argument("--word-tokens", action="store_true",
+                    help="add the field names, values and the erratum marker as whole tokens (WORD_TOKENS)")
     ap.add_argument("--light-focus", type=float, default=0.0,
                     help="share of field_image_gate episodes redrawn so that the field matches and the "
                          "light decides (even odds): the image half of the question (see conversation)")
@@ -419,6 +453,8 @@ def main(argv=None) -> None:
             over["text"]["rope_parameters"]["rope_theta"] = args.rope_theta
         config = tiny.tiny_config(args.family, tokenizer, **over)
         model = AutoModelForImageTextToText.from_config(config)
+    if args.word_tokens:
+        print(f"word tokens: {add_word_tokens(model, tokenizer)} added", flush=True)
     model.to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{args.family}: {n_params / 1e6:.2f}M params, vocab {len(tokenizer)}", flush=True)
@@ -460,7 +496,7 @@ def main(argv=None) -> None:
                 "earlier_runs": earlier,
                 "total_steps": step + sum(r.get("steps") or 0 for r in earlier),
                 "total_elapsed_s": round(time.time() - t0 + sum(r.get("elapsed_s") or 0 for r in earlier), 1),
-                "style_p": args.style_p, "jpeg": args.jpeg, "light_focus": args.light_focus, "best": best,
+                "style_p": args.style_p, "jpeg": args.jpeg, "light_focus": args.light_focus, "word_tokens": args.word_tokens, "best": best,
                 "history": history[-50:]}
 
     def evaluate() -> None:

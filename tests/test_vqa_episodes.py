@@ -383,3 +383,43 @@ def test_light_focus_makes_the_light_decide_field_image_gates(monkeypatch):
     assert all(f for _, f in focused) and 24 <= sum(l for l, _ in focused) <= 56  # binomial(80, 0.5) +- 3.6 sd
     plain = cases(0.0)
     assert 0.45 < sum(f for _, f in plain) / 80 < 0.85 and sum(l and f for l, f in plain) > 24
+
+
+def test_word_tokens_make_each_field_value_one_token_in_every_format():
+    """`train.py --word-tokens`: every field name and value is one token in the plain, `=`, JSON and
+    erratum forms, `paid` never matches inside `unpaid`, the text round-trips, the new embedding rows
+    start as the mean of the letters' rows, and a second call adds nothing."""
+    import importlib.util
+    import sys
+
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from mmkv import tiny
+
+    spec = importlib.util.spec_from_file_location("train", ROOT / "samples" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    sys.modules["train"] = train
+    spec.loader.exec_module(train)
+    tok = tiny.build_tokenizer(tiny.DEFAULT_CORPUS, vocab_size=512)  # (like the bundled ones: no field text)
+    model = AutoModelForImageTextToText.from_config(
+        tiny.tiny_config("qwen2_5_vl", tok, **train.model_overrides("qwen2_5_vl")))
+    pieces = tok.encode("unpaid", add_special_tokens=False)
+    assert len(pieces) > 1  # (the premise: the BPE spells it out)
+    before = model.get_input_embeddings().weight[pieces].mean(0).clone()
+    n = train.add_word_tokens(model, tok)
+    assert n == len(train.WORD_TOKENS) + 1 and model.get_input_embeddings().weight.shape[0] == len(tok)
+    assert model.get_output_embeddings().weight.shape[0] == len(tok)
+    unpaid = tok.convert_tokens_to_ids("unpaid")
+    assert torch.allclose(model.get_input_embeddings().weight[unpaid], before)
+    for field, values in E.FIELDS.items():
+        for v in values:
+            for text in (f"{field}: {v}", f"{field} = {v}", f'{{"{field}": "{v}"}}', E.erratum_line(field, v)):
+                ids = tok.encode(text, add_special_tokens=False)
+                assert tok.convert_tokens_to_ids(v) in ids and tok.convert_tokens_to_ids(field) in ids, text
+                assert tok.decode(ids) == text
+    assert tok.convert_tokens_to_ids("paid") not in tok.encode("payment: unpaid", add_special_tokens=False)
+    assert tok.encode("[STATE UPDATE] x", add_special_tokens=False)[0] == tok.convert_tokens_to_ids("[STATE UPDATE]")
+    assert train.add_word_tokens(model, tok) == 0
+    out = model(input_ids=torch.tensor([tok.encode("tier = gold", add_special_tokens=False)]))
+    assert out.logits.shape[-1] == len(tok)
