@@ -230,6 +230,25 @@ def test_compare_reports_pairs_requests(tmp_path):
     assert "| splice-k1 | 10 | 4 | 0 | 0.125 |" in compare_reports(a, b)
 
 
+def test_compare_command_takes_two_reports_as_documented(tmp_path):
+    """`mmkv eval --compare A B` (docs/eval.md's form): the table; one report, a file that is not a
+    report, or a missing one: a clear error and exit code 2, never a traceback."""
+    from mmkv.vqa_eval.cli import app
+
+    rep = {"model": "m", "reference": "full", "summary": {"full": {}, "splice-k1": {}},
+           "requests": [{"seed": 0, "id": "i0", "layout": "new_chat", "arms": {"splice-k1": {"agree": True}}}]}
+    a, b, junk = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "junk.json"
+    a.write_text(json.dumps(rep))
+    b.write_text(json.dumps(rep | {"model": "n"}))
+    junk.write_text(json.dumps({"model": "x"}))
+    ok = CliRunner().invoke(app, ["--compare", str(a), str(b)])
+    assert ok.exit_code == 0 and "| splice-k1 | 1 | 0 | 0 | 1 |" in ok.output
+    for args in (["--compare", str(a)], ["--compare", str(a), str(junk)], ["--compare", str(a), str(tmp_path / "no.json")]):
+        bad = CliRunner().invoke(app, args)
+        assert bad.exit_code == 2, (args, bad.output)
+        assert bad.exception is None or isinstance(bad.exception, SystemExit), (args, bad.exception)
+
+
 def test_merge_of_seed_shards_equals_the_whole_run(data, tmp_path):
     paths = []
     for s in (0, 1):

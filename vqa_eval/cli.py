@@ -47,9 +47,9 @@ def eval_command(
     merge: Annotated[list[Path] | None, typer.Option(
         "--merge", help="report.json files of one model over disjoint seeds: pooled into one report in --out, "
                         "no model run.")] = None,
-    compare: Annotated[list[Path] | None, typer.Option(
-        "--compare", help="Two report.json of the same items and seeds (two models): exact McNemar per arm, "
-                          "no model run.")] = None,
+    compare: Annotated[tuple[Path, Path] | None, typer.Option(
+        "--compare", help="Two report.json of the same items and seeds (two models), `--compare A B`: exact "
+                          "McNemar per arm, no model run.")] = None,
 ) -> None:
     """How often does the fast path answer exactly like a full recompute? Exact intervals per arm."""
     from mmkv.engine import Engine
@@ -60,7 +60,7 @@ def eval_command(
 
         torch.set_num_threads(threads)
     try:
-        if compare:
+        if compare and all(compare):
             from mmkv.vqa_eval.compare import compare_reports
 
             typer.echo(compare_reports(*compare))

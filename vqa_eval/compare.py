@@ -18,8 +18,16 @@ def paired_flags(a: dict, b: dict, arm: str) -> tuple[list[bool], list[bool]]:
     return [x["arms"][arm]["agree"] for x, _ in pairs], [y["arms"][arm]["agree"] for _, y in pairs]
 
 
+def _load(path: Path) -> dict:
+    """An agreement report.json, or ValueError naming the file."""
+    rep = json.loads(Path(path).read_text())
+    if not (isinstance(rep, dict) and {"model", "summary", "reference", "requests"} <= rep.keys()):
+        raise ValueError(f"{path}: not an agreement report.json (mmkv eval --task agreement writes one)")
+    return rep
+
+
 def compare_reports(path_a: Path, path_b: Path) -> str:
-    a, b = json.loads(Path(path_a).read_text()), json.loads(Path(path_b).read_text())
+    a, b = _load(path_a), _load(path_b)
     lines = [f"# {a['model']} vs {b['model']}: exact McNemar on paired requests", "",
              f"| arm | paired requests | agree only in {a['model']} | agree only in {b['model']} | p |",
              "|---|---|---|---|---|"]
