@@ -110,6 +110,18 @@ def test_every_answer_of_every_type_rederives(qtype):
                     assert _gate_answer(ep.messages[:k]) == msg["content"][0]["text"]
 
 
+def _train_module():
+    """samples/train.py as a module (it is a script, not a package member)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("train", ROOT / "samples" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    sys.modules["train"] = train  # (dataclasses look their module up)
+    spec.loader.exec_module(train)
+    return train
+
+
 def test_lookup_types_keep_the_committed_seeds_and_stay_out_of_the_split():
     """The retrieval types come after every earlier type in ALL_TYPES (episode_seed indexes it), and
     the committed split does not ask them; errata change the looked-up value."""
@@ -207,14 +219,7 @@ def test_hollow_style_outlines_in_the_object_colour():
 
 def test_training_never_draws_the_heldout_style():
     assert not set(D.HELDOUT_STYLES) & set(D.TRAIN_STYLES) and D.HELDOUT_STYLE in D.HELDOUT_STYLES
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train", ROOT / "samples" / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    import sys
-
-    sys.modules["train"] = train  # (dataclasses look their module up)
-    spec.loader.exec_module(train)
+    train = _train_module()
     seen = []
     orig = D.render_styled
     try:
@@ -296,15 +301,9 @@ def test_ask_leaves_room_for_every_answer_in_the_bundled_tokenizers():
 def test_a_batch_of_text_only_episodes_trains():
     """A training batch may hold no image at all (text gates, no earlier turns): labels still cover
     every answer and the model takes it."""
-    import importlib.util
-    import sys
-
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    spec = importlib.util.spec_from_file_location("train", ROOT / "samples" / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    sys.modules["train"] = train
-    spec.loader.exec_module(train)
+    train = _train_module()
     d = ROOT / "samples" / "models" / "qwen2_5_vl-tiny"
     processor = AutoProcessor.from_pretrained(d, local_files_only=True)
     model = AutoModelForImageTextToText.from_pretrained(d, local_files_only=True)
@@ -334,13 +333,7 @@ def test_history_validation_draws_earlier_turns_like_the_committed_split():
     """`train.py --val-history`: validation episodes carry 0-2 earlier image turns, as the committed
     conversation split does (text gates fail there far more often than on single questions), and
     none of them is a committed episode."""
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("train", ROOT / "samples" / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    sys.modules["train"] = train
-    spec.loader.exec_module(train)
+    train = _train_module()
     single = train.heldout(12, 5, ["field_gate"])
     hist = train.heldout(12, 5, ["field_gate"], history=True)
     n_user = lambda ep: sum(m["role"] == "user" for m in ep.messages)  # noqa: E731
@@ -357,13 +350,7 @@ def test_light_focus_makes_the_light_decide_field_image_gates(monkeypatch):
     """`train.py --light-focus 1`: every field_image_gate episode has the field matching and the
     light matching about half the time (the answer hangs on the image); 0 leaves the split's mix,
     where the field matches in 4 of 6 and the light then in 3 of 4."""
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("train", ROOT / "samples" / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    sys.modules["train"] = train
-    spec.loader.exec_module(train)
+    train = _train_module()
     built = []
     orig = E.build
     monkeypatch.setattr(E, "build", lambda *a, **kw: built.append(orig(*a, **kw)) or built[-1])
@@ -389,18 +376,12 @@ def test_word_tokens_make_each_field_value_one_token_in_every_format():
     """`train.py --word-tokens`: every field name and value is one token in the plain, `=`, JSON and
     erratum forms, `paid` never matches inside `unpaid`, the text round-trips, the new embedding rows
     start as the mean of the letters' rows, and a second call adds nothing."""
-    import importlib.util
-    import sys
-
     import torch
     from transformers import AutoModelForImageTextToText
 
     from mmkv import tiny
 
-    spec = importlib.util.spec_from_file_location("train", ROOT / "samples" / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    sys.modules["train"] = train
-    spec.loader.exec_module(train)
+    train = _train_module()
     tok = tiny.build_tokenizer(tiny.DEFAULT_CORPUS, vocab_size=512)  # (like the bundled ones: no field text)
     model = AutoModelForImageTextToText.from_config(
         tiny.tiny_config("qwen2_5_vl", tok, **train.model_overrides("qwen2_5_vl")))
