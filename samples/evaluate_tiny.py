@@ -30,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from mmkv.vqa_eval import dataset as D  # noqa: E402
 from mmkv.vqa_eval import episodes as E  # noqa: E402
 from mmkv.vqa_eval.dataset import ANSWERS, CATEGORIES, TYPES, VQAItem, load_vqa_set  # noqa: E402
 
@@ -215,6 +216,31 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def validation_episodes(n: int) -> dict[str, list]:
+    """Fresh validation conversations for choosing between checkpoints: ``n`` per type from string
+    seeds ``sel-<type>-<i>`` (never a training, monitor or committed seed), with 0-2 earlier image
+    turns as in the committed conversation split, and ``n // 2`` per image type in the ``shadow``
+    style (key ``shadow:<type>``, single questions)."""
+    eps = {t: [E.build(random.Random(f"sel-{t}-{i}"), t) for i in range(n)] for t in [*TYPES, *E.SPLIT_TYPES]}
+    draw = lambda scene, rng: D.render_styled(scene, rng, D.HELDOUT_STYLE)  # noqa: E731
+    for t in TYPES:
+        eps[f"shadow:{t}"] = [E.build(random.Random(f"sel-shadow-{t}-{i}"), t, before=0, draw=draw)
+                              for i in range(n // 2)]
+    return eps
+
+
+def validate(dirs: list[Path], n: int) -> str:
+    """Markdown table: each checkpoint's exact-match hits per type on :func:`validation_episodes`."""
+    eps = validation_episodes(n)
+    hits = []
+    for d in dirs:
+        model, processor = load(d)
+        hits.append({t: sum(E.ask(model, processor, ep) == ep.answer for ep in group) for t, group in eps.items()})
+    lines = ["| type | n | " + " | ".join(d.name for d in dirs) + " |", "|---|---|" + "---|" * len(dirs)]
+    lines += [f"| {t} | {len(g)} | " + " | ".join(str(h[t]) for h in hits) + " |" for t, g in eps.items()]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="accuracy table of the bundled tiny models")
     ap.add_argument("--model", action="append", default=None, help="checkpoint dir (repeatable)")
@@ -228,8 +254,17 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=None, help="write the full results here")
     ap.add_argument("--write-expectations", action="store_true",
                     help=f"store the answers to the fixed test items in {EXPECTATIONS.relative_to(ROOT)}")
+    ap.add_argument("--validation", type=int, default=0, metavar="N",
+                    help="instead: compare the --model checkpoints on N fresh validation conversations per type "
+                         "(seeds sel-..., never a committed split: the check before bundling)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
+    if args.validation < 0:
+        ap.error("--validation N wants N >= 0")
+    if args.validation:
+        dirs = [Path(m) for m in args.model] if args.model else [m for m in MODELS if m.exists()]
+        print(validate(dirs, args.validation))
+        return
     items = load_vqa_set(args.set)
     if args.limit:
         items = [it for t in TYPES for it in [i for i in items if i.type == t][: args.limit]]

@@ -124,6 +124,33 @@ def test_shuffled_control_chance_is_expected_agreement():
     assert ev.independent_chance(["red", "green", "blue"], ["red", "red", "blue"]) == pytest.approx(1 / 3)
 
 
+def test_validation_check_draws_fresh_conversations_and_scores_them():
+    """`evaluate_tiny.py --validation N` (the check before bundling): N conversations per type with
+    0-2 earlier image turns, N // 2 per image type in `shadow`, none a committed episode; the table
+    counts exact-match hits per checkpoint."""
+    ev = _evaluate_tiny()
+    eps = ev.validation_episodes(6)
+    assert {t for t in eps if ":" not in t} == set(ev.TYPES) | set(ev.E.SPLIT_TYPES)
+    assert all(len(g) == 6 for t, g in eps.items() if ":" not in t)
+    assert all(len(eps[f"shadow:{t}"]) == 3 for t in ev.TYPES)
+    earlier = {len(ep.images) - 1 for ep in eps["color"]} | {len(ep.images) - 1 for ep in eps["shape"]}
+    assert earlier == {0, 1, 2}
+    def key(messages, scenes) -> str:  # the texts and the drawn scenes
+        return json.dumps([[p.get("text") for m in messages for p in m["content"]], scenes], sort_keys=True)
+
+    rows = [json.loads(line) for line in (ROOT / "samples" / "vqa" / "episodes" / "episodes.jsonl").open()]
+    committed = {key(r["messages"], r["scenes"]) for r in rows}
+    for group in eps.values():
+        for ep in group:
+            assert key(ep.prompt_messages(), [sc.to_json() for sc in ep.scenes]) not in committed
+    table = ev.validate([_checkpoint_dir("qwen2_5_vl-tiny")], 1)
+    rows = [r.split(" | ") for r in table.splitlines()[2:]]
+    assert len(rows) == len(ev.validation_episodes(1)) and all(0 <= int(r[2].rstrip(" |")) <= int(r[1]) for r in rows)
+    res = subprocess.run([sys.executable, str(ROOT / "samples" / "evaluate_tiny.py"), "--validation", "-1"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 2 and "--validation" in res.stderr
+
+
 def test_accuracy_command_reports_control_per_type(tmp_path):
     """The command that makes samples/README.md's table runs end to end on a slice of the set."""
     out = tmp_path / "r.json"
