@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -205,9 +204,8 @@ class Style:
 
 def light_case(ep) -> tuple[bool, bool]:
     """A ``field_image_gate`` episode's (light matches the asked colour, field matches the needed value)."""
-    q = ep.messages[-2]["content"][-1]["text"]
-    light = next(o.color for o in ep.scenes[-1].objects if o.role == "light")
-    return q.split("status light is ", 1)[1].split(" ", 1)[0] == light, ep.gate["value"] == ep.gate["required"]
+    g = ep.gate
+    return g["asked"] == g["light"], g["value"] == g["required"]
 
 
 def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int,

@@ -270,7 +270,8 @@ def test_committed_heldout_style_split_regenerates(tmp_path, split, style):
 
 
 def test_text_gates_record_what_decides_them():
-    """`Episode.gate` (what the training skew keys on) names the field, the needed and the current value."""
+    """`Episode.gate` (what the training skew keys on) names the field, the needed and the current value
+    (and, for `field_image_gate`, the light and the asked colour): together they decide the answer."""
     for qtype in E.TEXT_TYPES:
         for i in range(60):
             ep = E.build(random.Random(f"g-{qtype}-{i}"), qtype)
@@ -278,8 +279,10 @@ def test_text_gates_record_what_decides_them():
             assert g["required"] in E.FIELDS[g["field"]] and g["value"] in E.FIELDS[g["field"]]
             if qtype != "field_image_gate":
                 assert (ep.answer == "refund") == (g["value"] == g["required"])
-            elif g["value"] != g["required"]:
-                assert ep.answer == "escalate"
+            else:  # the light drawn in the asked turn's image, the colour its question names
+                light = next(o.color for o in ep.scenes[-1].objects if o.role == "light")
+                assert g["light"] == light and f"status light is {g['asked']} " in ep.messages[-2]["content"][-1]["text"]
+                assert (ep.answer == "refund") == (g["value"] == g["required"] and g["asked"] == g["light"])
     assert not E.build(random.Random(0), "color").gate
 
 

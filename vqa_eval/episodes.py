@@ -97,7 +97,8 @@ class Episode:
     images: list[Image.Image] = field(default_factory=list)
     scenes: list[D.Scene] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)  # every assistant answer, in order
-    #: text gates: the field, the value the policy needs and the value current at the last question
+    #: text gates: the field, the value the policy needs and the value current at the last question;
+    #: ``field_image_gate`` also the light's colour and the colour the question asks for
     gate: dict[str, str] = field(default_factory=dict)
     id: str = ""  # the committed split's item id (load_split)
 
@@ -299,7 +300,7 @@ def build(rng: random.Random, qtype: str, *, level: float = 1.0, easy_size: int 
         filler(chat)
     q = Q_FIELD_IMAGE.format(color=asked, phrase=PHRASE[target], value=required)
     chat.turn(q if in_system else block + "\n" + q, "refund" if case == "both" else "escalate", scene)
-    return chat.episode(qtype, field=target, required=required, value=actual)
+    return chat.episode(qtype, field=target, required=required, value=actual, light=light, asked=asked)
 
 
 def corpus() -> list[str]:
