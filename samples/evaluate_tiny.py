@@ -222,9 +222,8 @@ def validation_episodes(n: int) -> dict[str, list]:
     turns as in the committed conversation split, and ``n // 2`` per image type in the ``shadow``
     style (key ``shadow:<type>``, single questions)."""
     eps = {t: [E.build(random.Random(f"sel-{t}-{i}"), t) for i in range(n)] for t in [*TYPES, *E.SPLIT_TYPES]}
-    draw = lambda scene, rng: D.render_styled(scene, rng, D.HELDOUT_STYLE)  # noqa: E731
     for t in TYPES:
-        eps[f"shadow:{t}"] = [E.build(random.Random(f"sel-shadow-{t}-{i}"), t, before=0, draw=draw)
+        eps[f"shadow:{t}"] = [E.build(random.Random(f"sel-shadow-{t}-{i}"), t, before=0, draw=D.render_heldout)
                               for i in range(n // 2)]
     return eps
 

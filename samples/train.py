@@ -320,11 +320,10 @@ def heldout(n_per_type: int, seed: int, types, level: float = 1.0, n_style: int 
         for i in range(n_per_type):
             rng = random.Random(f"valh-{seed}-{t}-{i}" if history else f"val-{seed}-{t}-{i}")
             out.append((t, E.build(rng, t, level=level, before=None if history else 0)))
-    draw = lambda scene, rng: D.render_styled(scene, rng, D.HELDOUT_STYLE)  # noqa: E731
     for t in D.TYPES if n_style else ():
         for i in range(n_style):
             rng = random.Random(f"val-{seed}-style-{t}-{i}")
-            out.append((f"style:{t}", E.build(rng, t, level=level, before=0, draw=draw)))
+            out.append((f"style:{t}", E.build(rng, t, level=level, before=0, draw=D.render_heldout)))
     return out
 
 

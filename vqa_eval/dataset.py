@@ -280,6 +280,12 @@ def render_styled(scene: Scene, rng: random.Random, style: str, color_jitter: in
     return img
 
 
+def render_heldout(scene: Scene, rng: random.Random) -> Image.Image:
+    """A scene in :data:`HELDOUT_STYLE`: the ``draw`` argument validation episodes pass to the
+    episode builder."""
+    return render_styled(scene, rng, HELDOUT_STYLE)
+
+
 def _far_from_palette(rng: random.Random, lo: int = 12, hi: int = 245) -> tuple[int, int, int]:
     """A grey of any brightness, slightly tinted, at least 110 (RGB distance) from every palette
     colour, so that no background or panel is mistaken for an object's colour."""
