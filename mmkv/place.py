@@ -11,6 +11,7 @@ Not thread-safe: the engine's lock covers every call.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -61,10 +62,17 @@ class EditReport:
     reason: str = ""  # why the policy asked for did not apply (then `applied` is recompute)
 
 
+#: An added token that is markup (`<|im_start|>`, `<tool_call>`, `<think>`), special or not.
+_MARKUP = re.compile(r"<[^<>\s]+>")
+
+
 def template_tokens_of(tokenizer) -> TemplateTokens:
     """What edit detection needs to know of the chat template: turn markers and the ids that
-    only the template or the processor places (every added special token)."""
-    special = set(tokenizer.added_tokens_decoder) | set(tokenizer.all_special_ids)
+    only the template or the processor places: every special token and every added token that is
+    markup. Added tokens that are plain words (a fine-tune's vocabulary, field values) are text: a
+    value spelled by one is a field like any other."""
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special or _MARKUP.fullmatch(t.content)}
     return TemplateTokens(
         turn_start=tokenizer.convert_tokens_to_ids("<|im_start|>"),
         generation_prompt=tuple(tokenizer("<|im_start|>assistant\n")["input_ids"]),

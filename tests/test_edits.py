@@ -388,3 +388,33 @@ def test_substitution_equals_the_reference_on_repetitive_prompts():
             assert _substitution(new, old, max_tokens) == want, (old_ids, new_ids, max_tokens)
             found += want is not None
     assert found > 200  # the cases exercise the search, not only its early exits
+
+
+def test_values_that_are_added_word_tokens_are_still_fields(tmp_path):
+    """A tokenizer may carry added tokens that are ordinary words (a fine-tune's vocabulary, the
+    bundled models' field values): a value spelled by one is a field like any other. Added markup
+    (`<tool_call>`-like, special or not) stays off limits: a change touching it is no edit."""
+    from tokenizers import AddedToken
+
+    from mmkv.place import template_tokens_of
+    from mmkv.tiny import build_tokenizer, save_tiny_checkpoint
+
+    tok = build_tokenizer()
+    tok.add_tokens([AddedToken(w, single_word=True, normalized=False) for w in ("pending", "shipped", "order_status")]
+                   + [AddedToken("<tool_call>", normalized=False)])
+    d = save_tiny_checkpoint("qwen2_5_vl", tmp_path / "words", seed=3, tokenizer=tok)
+    eng = Engine.from_pretrained(d, dtype=torch.float32, device="cpu")
+    assert len(eng.adapter.tokenizer.encode("\norder_status: shipped", add_special_tokens=False)) <= 5
+    tt = template_tokens_of(eng.adapter.tokenizer)
+    words = eng.adapter.tokenizer.convert_tokens_to_ids(["pending", "shipped", "order_status"])
+    assert not set(words) & tt.special and eng.adapter.tokenizer.convert_tokens_to_ids("<tool_call>") in tt.special
+    for line, (old, new) in (("order_status: {v}", ("pending", "shipped")), ("status = {v}", ("shipped", "pending")),
+                             ('{"order_status": "{v}"}', ("pending", "shipped"))):
+        tenant = f"words-{line}"
+        eng.generate(_with_field(line, old, 2, 2), max_new_tokens=1, tenant=tenant)
+        r = eng.generate(_with_field(line, new, 2, 2), max_new_tokens=1, tenant=tenant, edit_policy="in_place")
+        assert (r.edit.detected, r.edit.applied, r.edit.old_value, r.edit.new_value) == (True, "in_place", old, new), r.edit
+    eng.generate(_with_field("note: {v}", "<tool_call>", 2, 2), max_new_tokens=1, tenant="markup")
+    r = eng.generate(_with_field("note: {v}", "shipped", 2, 2), max_new_tokens=1, tenant="markup", edit_policy="in_place")
+    assert not r.edit.detected and r.edit.applied == "recompute"
+    eng.check_integrity()
