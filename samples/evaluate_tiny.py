@@ -216,21 +216,34 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def validation_episodes(n: int) -> dict[str, list]:
+RESERVED_PREFIXES = ("train", "val", "valh", "vqa")  # seed prefixes of training, the monitor and the eval tasks
+
+
+def validation_episodes(n: int, prefix: str = "sel", types: list[str] | None = None) -> dict[str, list]:
     """Fresh validation conversations for choosing between checkpoints: ``n`` per type from string
-    seeds ``sel-<type>-<i>`` (never a training, monitor or committed seed), with 0-2 earlier image
-    turns as in the committed conversation split, and ``n // 2`` per image type in the ``shadow``
-    style (key ``shadow:<type>``, single questions)."""
-    eps = {t: [E.build(random.Random(f"sel-{t}-{i}"), t) for i in range(n)] for t in [*TYPES, *E.SPLIT_TYPES]}
+    seeds ``<prefix>-<type>-<i>`` (never a training, monitor or committed seed), with 0-2 earlier
+    image turns as in the committed conversation split, and ``n // 2`` per image type in the
+    ``shadow`` style (key ``shadow:<type>``, single questions). ``types`` keeps only those types
+    (and their ``shadow:`` rows). A set that has already chosen between checkpoints is a selection
+    set: confirm the final choice on a new ``prefix``."""
+    if not prefix.isalnum() or prefix in RESERVED_PREFIXES:
+        raise ValueError(f"validation seed prefix {prefix!r}: want letters and digits, not one of {RESERVED_PREFIXES}")
+    every = [*TYPES, *E.SPLIT_TYPES]
+    unknown = sorted(set(types or []) - set(every))
+    if unknown:
+        raise ValueError(f"unknown question type(s) {unknown}; known: {every}")
+    keep = set(types or every)
+    eps = {t: [E.build(random.Random(f"{prefix}-{t}-{i}"), t) for i in range(n)] for t in every if t in keep}
     for t in TYPES:
-        eps[f"shadow:{t}"] = [E.build(random.Random(f"sel-shadow-{t}-{i}"), t, before=0, draw=D.render_heldout)
-                              for i in range(n // 2)]
+        if t in keep:
+            eps[f"shadow:{t}"] = [E.build(random.Random(f"{prefix}-shadow-{t}-{i}"), t, before=0, draw=D.render_heldout)
+                                  for i in range(n // 2)]
     return eps
 
 
-def validate(dirs: list[Path], n: int) -> str:
+def validate(dirs: list[Path], n: int, prefix: str = "sel", types: list[str] | None = None) -> str:
     """Markdown table: each checkpoint's exact-match hits per type on :func:`validation_episodes`."""
-    eps = validation_episodes(n)
+    eps = validation_episodes(n, prefix, types)
     hits = []
     for d in dirs:
         model, processor = load(d)
@@ -256,13 +269,22 @@ def main(argv=None) -> None:
     ap.add_argument("--validation", type=int, default=0, metavar="N",
                     help="instead: compare the --model checkpoints on N fresh validation conversations per type "
                          "(seeds sel-..., never a committed split: the check before bundling)")
+    ap.add_argument("--validation-seed", default="sel", metavar="PREFIX",
+                    help="seed prefix of the --validation set (a new one confirms a choice made on 'sel')")
+    ap.add_argument("--validation-types", default=None, metavar="T1,T2",
+                    help="only these question types in the --validation set")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     if args.validation < 0:
         ap.error("--validation N wants N >= 0")
     if args.validation:
         dirs = [Path(m) for m in args.model] if args.model else [m for m in MODELS if m.exists()]
-        print(validate(dirs, args.validation))
+        types = [t for t in args.validation_types.split(",") if t] if args.validation_types else None
+        try:
+            validation_episodes(0, args.validation_seed, types)  # refuses a bad prefix or type before loading models
+        except ValueError as e:
+            ap.error(str(e))
+        print(validate(dirs, args.validation, args.validation_seed, types))
         return
     items = load_vqa_set(args.set)
     if args.limit:

@@ -151,6 +151,31 @@ def test_validation_check_draws_fresh_conversations_and_scores_them():
     assert res.returncode == 2 and "--validation" in res.stderr
 
 
+
+def test_validation_set_takes_a_new_seed_prefix_and_a_type_subset():
+    """A selection set is confirmed on a new prefix: other seeds give other conversations of the same
+    types; `types` keeps those types and their `shadow:` rows; a reserved or odd prefix and an unknown
+    type are refused, on the command line with exit 2 before any model loads."""
+    ev = _evaluate_tiny()
+    key = lambda ep: json.dumps([[p.get("text") for m in ep.prompt_messages() for p in m["content"]],
+                                 [sc.to_json() for sc in ep.scenes]], sort_keys=True)
+    sel, new = ev.validation_episodes(4), ev.validation_episodes(4, "confirm1")
+    assert sel.keys() == new.keys()
+    assert not {key(ep) for g in sel.values() for ep in g} & {key(ep) for g in new.values() for ep in g}
+    assert [key(ep) for ep in ev.validation_episodes(4)["field_gate"]] == [key(ep) for ep in sel["field_gate"]]
+    sub = ev.validation_episodes(4, "confirm1", ["count", "field_gate"])
+    assert set(sub) == {"count", "field_gate", "shadow:count"}
+    assert [key(ep) for ep in sub["count"]] == [key(ep) for ep in new["count"]]
+    for bad in ("val", "valh", "train", "vqa", "sel-2", ""):
+        with pytest.raises(ValueError, match="prefix"):
+            ev.validation_episodes(1, bad)
+    with pytest.raises(ValueError, match="nosuch"):
+        ev.validation_episodes(1, "sel", ["nosuch"])
+    for flags in (["--validation-seed", "val"], ["--validation-types", "count,nosuch"]):
+        res = subprocess.run([sys.executable, str(ROOT / "samples" / "evaluate_tiny.py"), "--validation", "1", *flags],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert res.returncode == 2 and ("prefix" in res.stderr or "nosuch" in res.stderr), res.stderr[-500:]
+
 def test_accuracy_command_reports_control_per_type(tmp_path):
     """The command that makes samples/README.md's table runs end to end on a slice of the set."""
     out = tmp_path / "r.json"
