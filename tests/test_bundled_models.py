@@ -88,6 +88,40 @@ def test_training_command_smoke(tmp_path):
     assert _answer(model, processor, ROOT / "samples" / "vqa" / "images" / "color-000.png", "what color is the shape ?") is not None
 
 
+def test_proxy_training_command_builds_a_real_position_scheme(tmp_path):
+    """`train.py --size proxy` (issue 16's third checkpoint): Qwen2.5-VL with rope_theta 1e6, head_dim
+    64, mrope sections in Qwen2.5-VL's proportions (16:24:24), >= 8 LM layers, 64-256 tokens per image,
+    a checkpoint of at most 60 MB; Qwen3-VL is refused."""
+    import torch
+    from PIL import Image
+
+    out = tmp_path / "proxy"
+    cmd = [sys.executable, str(ROOT / "samples" / "train.py"), "--family", "qwen2_5_vl", "--size", "proxy",
+           "--out", str(out), "--steps", "2", "--batch", "2", "--eval-every", "1000", "--word-tokens"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    model, processor = _load(out)
+    text = model.config.get_text_config()
+    rope = text.rope_parameters
+    assert rope["rope_theta"] == 1e6 and text.head_dim >= 64 and text.num_hidden_layers >= 8
+    t, h, w = rope["mrope_section"]
+    assert 2 * sum(rope["mrope_section"]) == text.head_dim and 3 * t == 2 * h and h == w
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    assert size <= 60 * 1024 * 1024, f"proxy checkpoint is {size / 1e6:.1f} MB"
+    image_id = model.config.image_token_id
+    counts = []
+    for wh in [(224, 224), (448, 448), (300, 500), (40, 40), (2000, 1200)]:
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what color ?"}]}]
+        prompt = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        enc = processor(text=[prompt], images=[Image.new("RGB", wh, (200, 30, 30))], return_tensors="pt")
+        counts.append(int((enc["input_ids"] == image_id).sum()))
+    assert counts[:2] == [64, 256] and all(64 <= c <= 256 for c in counts), counts
+    with torch.no_grad():
+        assert torch.isfinite(model(**enc).logits).all()
+    bad = subprocess.run(cmd[:3] + ["qwen3_vl"] + cmd[4:], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode == 2 and "--size proxy" in bad.stderr
+
+
 def test_save_tiny_checkpoint_keeps_a_given_tokenizer(tmp_path):
     """A trained tokenizer passed to save_tiny_checkpoint is the one the checkpoint loads with."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
