@@ -219,6 +219,18 @@ def markdown(results: list[dict]) -> str:
 RESERVED_PREFIXES = ("train", "val", "valh", "vqa")  # seed prefixes of training, the monitor and the eval tasks
 
 
+def validation_types(prefix: str = "sel", types: list[str] | None = None) -> list[str]:
+    """The question types of a validation set drawn with seed ``prefix`` (all, or those in ``types``);
+    a reserved or non-alphanumeric prefix and an unknown type are refused with ValueError."""
+    if not prefix.isalnum() or prefix in RESERVED_PREFIXES:
+        raise ValueError(f"validation seed prefix {prefix!r}: want letters and digits, not one of {RESERVED_PREFIXES}")
+    every = [*TYPES, *E.SPLIT_TYPES]
+    unknown = sorted(set(types or []) - set(every))
+    if unknown:
+        raise ValueError(f"unknown question type(s) {unknown}; known: {every}")
+    return [t for t in every if types is None or t in types]
+
+
 def validation_episodes(n: int, prefix: str = "sel", types: list[str] | None = None) -> dict[str, list]:
     """Fresh validation conversations for choosing between checkpoints: ``n`` per type from string
     seeds ``<prefix>-<type>-<i>`` (never a training, monitor or committed seed), with 0-2 earlier
@@ -226,18 +238,11 @@ def validation_episodes(n: int, prefix: str = "sel", types: list[str] | None = N
     ``shadow`` style (key ``shadow:<type>``, single questions). ``types`` keeps only those types
     (and their ``shadow:`` rows). A set that has already chosen between checkpoints is a selection
     set: confirm the final choice on a new ``prefix``."""
-    if not prefix.isalnum() or prefix in RESERVED_PREFIXES:
-        raise ValueError(f"validation seed prefix {prefix!r}: want letters and digits, not one of {RESERVED_PREFIXES}")
-    every = [*TYPES, *E.SPLIT_TYPES]
-    unknown = sorted(set(types or []) - set(every))
-    if unknown:
-        raise ValueError(f"unknown question type(s) {unknown}; known: {every}")
-    keep = set(types or every)
-    eps = {t: [E.build(random.Random(f"{prefix}-{t}-{i}"), t) for i in range(n)] for t in every if t in keep}
-    for t in TYPES:
-        if t in keep:
-            eps[f"shadow:{t}"] = [E.build(random.Random(f"{prefix}-shadow-{t}-{i}"), t, before=0, draw=D.render_heldout)
-                                  for i in range(n // 2)]
+    kept = validation_types(prefix, types)
+    eps = {t: [E.build(random.Random(f"{prefix}-{t}-{i}"), t) for i in range(n)] for t in kept}
+    for t in (t for t in TYPES if t in kept):
+        eps[f"shadow:{t}"] = [E.build(random.Random(f"{prefix}-shadow-{t}-{i}"), t, before=0, draw=D.render_heldout)
+                              for i in range(n // 2)]
     return eps
 
 
@@ -281,7 +286,7 @@ def main(argv=None) -> None:
         dirs = [Path(m) for m in args.model] if args.model else [m for m in MODELS if m.exists()]
         types = [t for t in args.validation_types.split(",") if t] if args.validation_types else None
         try:
-            validation_episodes(0, args.validation_seed, types)  # refuses a bad prefix or type before loading models
+            validation_types(args.validation_seed, types)  # refuses a bad prefix or type before any model loads
         except ValueError as e:
             ap.error(str(e))
         print(validate(dirs, args.validation, args.validation_seed, types))

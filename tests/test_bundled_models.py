@@ -109,10 +109,10 @@ def test_proxy_training_command_builds_a_real_position_scheme(tmp_path):
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     assert size <= 60 * 1024 * 1024, f"proxy checkpoint is {size / 1e6:.1f} MB"
     image_id = model.config.image_token_id
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what color ?"}]}]
+    prompt = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     counts = []
     for wh in [(224, 224), (448, 448), (300, 500), (40, 40), (2000, 1200)]:
-        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what color ?"}]}]
-        prompt = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         enc = processor(text=[prompt], images=[Image.new("RGB", wh, (200, 30, 30))], return_tensors="pt")
         counts.append(int((enc["input_ids"] == image_id).sum()))
     assert counts[:2] == [64, 256] and all(64 <= c <= 256 for c in counts), counts
@@ -158,6 +158,11 @@ def test_shuffled_control_chance_is_expected_agreement():
     assert ev.independent_chance(["red", "green", "blue"], ["red", "red", "blue"]) == pytest.approx(1 / 3)
 
 
+def _conversation_key(messages, scenes) -> str:
+    """A conversation's texts and drawn scenes (JSON rows), to tell two conversations apart."""
+    return json.dumps([[p.get("text") for m in messages for p in m["content"]], scenes], sort_keys=True)
+
+
 def test_validation_check_draws_fresh_conversations_and_scores_them():
     """`evaluate_tiny.py --validation N` (the check before bundling): N conversations per type with
     0-2 earlier image turns, N // 2 per image type in `shadow`, none a committed episode; the table
@@ -169,14 +174,11 @@ def test_validation_check_draws_fresh_conversations_and_scores_them():
     assert all(len(eps[f"shadow:{t}"]) == 3 for t in ev.TYPES)
     earlier = {len(ep.images) - 1 for ep in eps["color"]} | {len(ep.images) - 1 for ep in eps["shape"]}
     assert earlier == {0, 1, 2}
-    def key(messages, scenes) -> str:  # the texts and the drawn scenes
-        return json.dumps([[p.get("text") for m in messages for p in m["content"]], scenes], sort_keys=True)
-
     rows = [json.loads(line) for line in (ROOT / "samples" / "vqa" / "episodes" / "episodes.jsonl").open()]
-    committed = {key(r["messages"], r["scenes"]) for r in rows}
+    committed = {_conversation_key(r["messages"], r["scenes"]) for r in rows}
     for group in eps.values():
         for ep in group:
-            assert key(ep.prompt_messages(), [sc.to_json() for sc in ep.scenes]) not in committed
+            assert _conversation_key(ep.prompt_messages(), [sc.to_json() for sc in ep.scenes]) not in committed
     table = ev.validate([_checkpoint_dir("qwen2_5_vl-tiny")], 1)
     rows = [r.split(" | ") for r in table.splitlines()[2:]]
     assert len(rows) == len(ev.validation_episodes(1)) and all(0 <= int(r[2].rstrip(" |")) <= int(r[1]) for r in rows)
@@ -185,14 +187,14 @@ def test_validation_check_draws_fresh_conversations_and_scores_them():
     assert res.returncode == 2 and "--validation" in res.stderr
 
 
-
 def test_validation_set_takes_a_new_seed_prefix_and_a_type_subset():
     """A selection set is confirmed on a new prefix: other seeds give other conversations of the same
     types; `types` keeps those types and their `shadow:` rows; a reserved or odd prefix and an unknown
     type are refused, on the command line with exit 2 before any model loads."""
     ev = _evaluate_tiny()
-    key = lambda ep: json.dumps([[p.get("text") for m in ep.prompt_messages() for p in m["content"]],
-                                 [sc.to_json() for sc in ep.scenes]], sort_keys=True)
+    def key(ep) -> str:
+        return _conversation_key(ep.prompt_messages(), [sc.to_json() for sc in ep.scenes])
+
     sel, new = ev.validation_episodes(4), ev.validation_episodes(4, "confirm1")
     assert sel.keys() == new.keys()
     assert not {key(ep) for g in sel.values() for ep in g} & {key(ep) for g in new.values() for ep in g}
@@ -209,6 +211,7 @@ def test_validation_set_takes_a_new_seed_prefix_and_a_type_subset():
         res = subprocess.run([sys.executable, str(ROOT / "samples" / "evaluate_tiny.py"), "--validation", "1", *flags],
                              capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert res.returncode == 2 and ("prefix" in res.stderr or "nosuch" in res.stderr), res.stderr[-500:]
+
 
 def test_accuracy_command_reports_control_per_type(tmp_path):
     """The command that makes samples/README.md's table runs end to end on a slice of the set."""
