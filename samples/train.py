@@ -310,7 +310,7 @@ def quick_eval(model, processor, episodes) -> dict[str, float]:
 def heldout(n_per_type: int, seed: int, types, level: float = 1.0, n_style: int = 0, history: bool = False):
     """Validation episodes from string seeds ``val-<seed>-...`` (never the training seeds nor the
     committed splits' integer seeds): ``n_per_type`` of each type (flat drawing), and ``n_style`` of
-    each single-image type drawn in the held-out style (key ``style:<type>``).
+    each of those that is a single-image type drawn in the held-out style (key ``style:<type>``).
 
     The typed episodes are single questions, or with ``history`` (seeds ``valh-...``) preceded by
     0-2 image Q/A turns as in the committed conversation split: the text gates fail there far more
@@ -320,7 +320,7 @@ def heldout(n_per_type: int, seed: int, types, level: float = 1.0, n_style: int 
         for i in range(n_per_type):
             rng = random.Random(f"valh-{seed}-{t}-{i}" if history else f"val-{seed}-{t}-{i}")
             out.append((t, E.build(rng, t, level=level, before=None if history else 0)))
-    for t in D.TYPES if n_style else ():
+    for t in [t for t in D.TYPES if t in types] if n_style else ():
         for i in range(n_style):
             rng = random.Random(f"val-{seed}-style-{t}-{i}")
             out.append((f"style:{t}", E.build(rng, t, level=level, before=0, draw=D.render_heldout)))
@@ -463,7 +463,10 @@ def main(argv=None) -> None:
     batcher = Batcher(processor, args.family, grid["factor"])
     warm_types = {t: weights[t] for t in WARM_TYPES}
     style = Style(p=args.style_p, jpeg=args.jpeg)
-    val = heldout(args.val_per_type, args.seed, [t for t, w in weights.items() if w > 0], n_style=args.val_style,
+    # the monitor scores what this run trains: a run that never leaves the warm-up (--warm-until 1) only
+    # the perception questions, or its --best save would follow the types it lets decay
+    trained = warm_types if args.warm_until >= 1 else weights
+    val = heldout(args.val_per_type, args.seed, [t for t, w in trained.items() if w > 0], n_style=args.val_style,
                   history=args.val_history)
     best = {"score": -1.0, "step": None}
     budget_s = args.minutes * 60 if args.minutes else None

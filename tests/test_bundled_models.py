@@ -122,6 +122,21 @@ def test_proxy_training_command_builds_a_real_position_scheme(tmp_path):
     assert bad.returncode == 2 and "--size proxy" in bad.stderr
 
 
+def test_monitor_scores_only_the_types_the_run_trains(tmp_path):
+    """A perception-only run (`--warm-until 1`: color, shape and count throughout) is monitored, and its
+    `--best` save chosen, on those three types and their held-out style only, not on types it never asks."""
+    out = tmp_path / "warm"
+    cmd = [sys.executable, str(ROOT / "samples" / "train.py"), "--family", "qwen2_5_vl", "--out", str(out),
+           "--best", str(tmp_path / "best"), "--steps", "2", "--batch", "2", "--eval-every", "1", "--warm-until", "1",
+           "--val-per-type", "1", "--val-style", "1", "--weight", "count=0"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    history = json.loads((out / "train_state.json").read_text())["history"]
+    scored = {k for h in history for k in h} - {"step", "t", "loss_ema", "val_mean"}
+    assert scored == {"color", "shape", "style:color", "style:shape"}, scored
+    assert json.loads((tmp_path / "best" / "train_state.json").read_text())["best"]["step"] is not None
+
+
 def test_save_tiny_checkpoint_keeps_a_given_tokenizer(tmp_path):
     """A trained tokenizer passed to save_tiny_checkpoint is the one the checkpoint loads with."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
