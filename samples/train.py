@@ -309,8 +309,8 @@ def quick_eval(model, processor, episodes) -> dict[str, float]:
 
 def heldout(n_per_type: int, seed: int, types, level: float = 1.0, n_style: int = 0, history: bool = False):
     """Validation episodes from string seeds ``val-<seed>-...`` (never the training seeds nor the
-    committed splits' integer seeds): ``n_per_type`` of each type (flat drawing), and ``n_style`` of
-    each of those that is a single-image type drawn in the held-out style (key ``style:<type>``).
+    committed splits' integer seeds): ``n_per_type`` of each of ``types`` (flat drawing), and ``n_style``
+    of each single-image type among them drawn in the held-out style (key ``style:<type>``).
 
     The typed episodes are single questions, or with ``history`` (seeds ``valh-...``) preceded by
     0-2 image Q/A turns as in the committed conversation split: the text gates fail there far more
