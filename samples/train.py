@@ -210,7 +210,7 @@ def light_case(ep) -> tuple[bool, bool]:
 
 def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int,
                  types: dict[str, float] | None = None, bias: float = 0.0, style: Style = Style(),
-                 light_focus: float = 0.0):
+                 light_focus: float = 0.0, field_weights: dict[str, float] | None = None):
     """(messages, images, answers) of one episode (vqa_eval/episodes.py) whose asked type is drawn
     from ``types`` (default :data:`TYPE_WEIGHTS`), after ``n_turns - 1`` earlier image Q/A turns.
 
@@ -218,7 +218,9 @@ def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int,
     ``light_focus``: the share of ``field_image_gate`` episodes redrawn until the field matches, the
     light matching or not with even odds: the answer then hangs on the image alone. (In the split's
     own mix the field matches in 4 of 6 and the light then in 3 of 4: a model that reads the field
-    and answers `refund` whenever it matches scores 0.83 without looking at the light.)"""
+    and answers `refund` whenever it matches scores 0.83 without looking at the light.)
+    ``field_weights``: relative odds of each field (``episodes.FIELDS``) being the one a text
+    episode asks about (default even); episodes are redrawn, so the split's mix is otherwise kept."""
     types = {t: w for t, w in (TYPE_WEIGHTS if types is None else types).items() if w > 0}
     singles = {t: types.get(t, 0.0) for t in D.TYPES if types.get(t, 0.0) > 0} or None
     qtype = rng.choices(list(types), weights=list(types.values()))[0]
@@ -229,6 +231,9 @@ def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int,
         ep = E.build(rng, qtype, level=level, easy_size=easy_size, draw=style.drawer(), before=n_turns - 1,
                      filler_types=singles)
         if want_light is not None and light_case(ep) != (want_light, True):
+            continue
+        if field_weights and "field" in ep.gate and \
+                rng.random() >= field_weights.get(ep.gate["field"], 1.0) / max(field_weights.values()):
             continue
         if bias <= 0 or qtype in E.LOOKUP_TYPES or (qtype not in D.TYPES and qtype != "same_color" and not ep.gate):
             break
@@ -270,7 +275,8 @@ class Batcher:
 
     def batch(self, rng: random.Random, size: int, level: float, max_turns: int = 4, bias: float = 0.0,
               types: dict[str, float] | None = None, style: Style = Style(),
-              turn_weights: dict[int, float] | None = None, light_focus: float = 0.0):
+              turn_weights: dict[int, float] | None = None, light_focus: float = 0.0,
+              field_weights: dict[str, float] | None = None):
         texts, images = [], []
         tw = TURN_WEIGHTS if turn_weights is None else turn_weights
         turns = [n for n in tw if n <= max_turns and tw[n] > 0]
@@ -285,7 +291,7 @@ class Batcher:
                 types = {t: w for t, w in types.items() if t not in LONG_TYPES}
         for _ in range(size):
             msgs, imgs, _ = conversation(rng, level, self.easy_size, n_turns, types=types, bias=bias, style=style,
-                                         light_focus=light_focus)
+                                         light_focus=light_focus, field_weights=field_weights)
             texts.append(self.proc.apply_chat_template(msgs, tokenize=False))
             images.extend(imgs)
         enc = self.proc(text=texts, images=images or None, return_tensors="pt", padding=True)  # (a text-only batch)
@@ -393,6 +399,9 @@ def main(argv=None) -> None:
     ap.add_argument("--light-focus", type=float, default=0.0,
                     help="share of field_image_gate episodes redrawn so that the field matches and the "
                          "light decides (even odds): the image half of the question (see conversation)")
+    ap.add_argument("--field-weight", action="append", default=[], metavar="FIELD=W",
+                    help="relative odds of a field being the one a text episode asks about (default 1 each; "
+                         "episodes.FIELDS); repeatable")
     ap.add_argument("--best", default=None,
                     help="also save to this dir whenever the validation mean (over trained types and the "
                          "held-out style) is at least the best so far: weights chosen on validation only")
@@ -424,6 +433,16 @@ def main(argv=None) -> None:
         if n not in TURN_WEIGHTS or w < 0:
             ap.error(f"--turn-weight {item!r}: N is one of {', '.join(map(str, TURN_WEIGHTS))}, the weight >= 0")
         turn_weights[n] = w
+    field_weights = {f: 1.0 for f in E.FIELDS}
+    for item in args.field_weight:
+        name, _, value = item.partition("=")
+        try:
+            w = float(value)
+        except ValueError:
+            ap.error(f"--field-weight wants FIELD=NUMBER, got {item!r}")
+        if name not in E.FIELDS or not 0 < w < float("inf"):
+            ap.error(f"--field-weight {item!r}: FIELD is one of {', '.join(E.FIELDS)}, the weight > 0")
+        field_weights[name] = w
     if not 0 <= args.light_focus <= 1:
         ap.error("--light-focus is a share in [0, 1]")
     if not any(turn_weights.values()):
@@ -496,7 +515,7 @@ def main(argv=None) -> None:
                 "earlier_runs": earlier,
                 "total_steps": step + sum(r.get("steps") or 0 for r in earlier),
                 "total_elapsed_s": round(time.time() - t0 + sum(r.get("elapsed_s") or 0 for r in earlier), 1),
-                "style_p": args.style_p, "jpeg": args.jpeg, "light_focus": args.light_focus, "word_tokens": args.word_tokens, "best": best,
+                "style_p": args.style_p, "jpeg": args.jpeg, "light_focus": args.light_focus, "field_weights": field_weights, "word_tokens": args.word_tokens, "best": best,
                 "history": history[-50:]}
 
     def evaluate() -> None:
@@ -521,7 +540,8 @@ def main(argv=None) -> None:
         bias = min(1.0, max(0.0, (args.skew_until - p) / 0.3))  # (0 throughout with --skew-until 0)
         types = warm_types if p < args.warm_until else weights
         batch = batcher.batch(rng, args.batch, level, max_turns=1 if p < args.single_until else 4, bias=bias,
-                              types=types, style=style, turn_weights=turn_weights, light_focus=args.light_focus)
+                              types=types, style=style, turn_weights=turn_weights, light_focus=args.light_focus,
+                              field_weights=field_weights)
         loss = model(**batch.to(args.device)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

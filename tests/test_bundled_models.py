@@ -276,6 +276,16 @@ def test_training_command_rejects_a_bad_turn_weight(tmp_path, bad):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("bad", ["status=2", "tier=x", "tier=0", "tier=inf"])
+def test_training_command_rejects_a_bad_field_weight(tmp_path, bad):
+    cmd = [sys.executable, str(ROOT / "samples" / "train.py"), "--family", "qwen2_5_vl", "--out", str(tmp_path / "x"),
+           "--steps", "1", "--field-weight", bad]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    err = res.stderr.split("error:")[-1]  # the reason, not an "unrecognized arguments" line
+    assert res.returncode == 2 and (f"--field-weight {bad!r}: FIELD is one of" in err or "FIELD=NUMBER" in err)
+    assert not (tmp_path / "x").exists()
+
+
 def _readme_erratum_example() -> dict:
     """The skill text, the field line, the questions, the erratum and the printed answers of README's
     "Skills and errata" example, read from README itself (the test follows README, not a copy)."""

@@ -375,6 +375,33 @@ def test_light_focus_makes_the_light_decide_field_image_gates(monkeypatch):
     assert 0.45 < sum(f for _, f in plain) / 80 < 0.85 and sum(l and f for l, f in plain) > 24
 
 
+def test_field_weights_set_how_often_each_field_is_asked(monkeypatch):
+    """`train.py --field-weight order_status=4`: text episodes ask about order_status about 4 / 7 of
+    the time (the other three fields 1 / 7 each) in every text type; without it, about a quarter.
+    Image episodes are untouched."""
+    train = _train_module()
+    built = []
+    orig = E.build
+    monkeypatch.setattr(E, "build", lambda *a, **kw: built.append(orig(*a, **kw)) or built[-1])
+
+    def share(qtype: str, fw) -> float:
+        rng = random.Random(f"fw-{qtype}")
+        n = 0
+        for _ in range(140):
+            built.clear()
+            train.conversation(rng, 1.0, 56, 1, types={qtype: 1.0}, field_weights=fw)
+            n += built[-1].gate["field"] == "order_status"
+        return n / 140
+
+    fw = {"order_status": 4.0, "tier": 1.0, "payment": 1.0, "account": 1.0}
+    for qtype in E.TEXT_TYPES + E.LOOKUP_TYPES:
+        assert 0.45 < share(qtype, fw) < 0.70, qtype  # 4/7 = 0.57, sd 0.042
+    assert 0.13 < share("field_gate", None) < 0.37  # 1/4, sd 0.037
+    rng_a, rng_b = random.Random(9), random.Random(9)
+    assert train.conversation(rng_a, 1.0, 56, 1, types={"count": 1.0}, field_weights=fw)[2] == \
+        train.conversation(rng_b, 1.0, 56, 1, types={"count": 1.0})[2]
+
+
 def test_word_tokens_make_each_field_value_one_token_in_every_format():
     """`train.py --word-tokens`: every field name and value is one token in the plain, `=`, JSON and
     erratum forms, `paid` never matches inside `unpaid`, the text round-trips, the new embedding rows
