@@ -1,6 +1,6 @@
-"""Accuracy of the bundled tiny models on the committed VQA set: full recompute, greedy decoding.
+"""Accuracy of the bundled models on the committed VQA set: full recompute, greedy decoding.
 
-    python samples/evaluate_tiny.py                                  # both bundled models, markdown table
+    python samples/evaluate_tiny.py                                  # every bundled model, markdown table
     python samples/evaluate_tiny.py --model samples/models/qwen2_5_vl-tiny --json /tmp/r.json
     python samples/evaluate_tiny.py --write-expectations             # refresh samples/models/expected_answers.json
 
@@ -34,7 +34,7 @@ from mmkv.vqa_eval import dataset as D  # noqa: E402
 from mmkv.vqa_eval import episodes as E  # noqa: E402
 from mmkv.vqa_eval.dataset import ANSWERS, CATEGORIES, TYPES, VQAItem, load_vqa_set  # noqa: E402
 
-MODELS = [ROOT / "samples" / "models" / "qwen2_5_vl-tiny", ROOT / "samples" / "models" / "qwen3_vl-tiny"]
+MODELS = [ROOT / "samples" / "models" / n for n in ("qwen2_5_vl-tiny", "qwen3_vl-tiny", "qwen2_5_vl-proxy")]
 SET = ROOT / "samples" / "vqa"
 HELDOUT_STYLE = SET / "heldout_style"  # the nine types drawn in the renderer kept out of training
 HELDOUT_DARK = SET / "heldout_dark"  # the same in the second held-out renderer (panel inverted, canvas rescaled)
@@ -259,7 +259,7 @@ def validate(dirs: list[Path], n: int, prefix: str = "sel", types: list[str] | N
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="accuracy table of the bundled tiny models")
+    ap = argparse.ArgumentParser(description="accuracy table of the bundled models")
     ap.add_argument("--model", action="append", default=None, help="checkpoint dir (repeatable)")
     ap.add_argument("--set", default=str(SET))
     ap.add_argument("--shuffle-seed", type=int, default=4321)

@@ -13,7 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "samples" / "models"
 EXPECTATIONS = MODELS / "expected_answers.json"
-FAMILIES = {"qwen2_5_vl-tiny": "qwen2_5_vl", "qwen3_vl-tiny": "qwen3_vl"}
+FAMILIES = {"qwen2_5_vl-tiny": "qwen2_5_vl", "qwen3_vl-tiny": "qwen3_vl", "qwen2_5_vl-proxy": "qwen2_5_vl"}
+#: issue 16's size limits: 20 MB a tiny checkpoint, 60 MB the proxy
+MAX_MB = {"qwen2_5_vl-proxy": 60}
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -52,7 +54,7 @@ def _answer(model, processor, image_path: Path, question: str) -> str:
 def test_checkpoint_loads_offline(name):
     d = _checkpoint_dir(name)
     size = sum(p.stat().st_size for p in d.iterdir() if p.is_file())
-    assert size <= 20 * 1024 * 1024, f"{name} is {size / 1e6:.1f} MB"
+    assert size <= MAX_MB.get(name, 20) * 1024 * 1024, f"{name} is {size / 1e6:.1f} MB"
     model, processor = _load(d)
     assert model.config.model_type == FAMILIES[name]
     assert processor.chat_template and "<|vision_start|>" in processor.chat_template
@@ -88,26 +90,17 @@ def test_training_command_smoke(tmp_path):
     assert _answer(model, processor, ROOT / "samples" / "vqa" / "images" / "color-000.png", "what color is the shape ?") is not None
 
 
-def test_proxy_training_command_builds_a_real_position_scheme(tmp_path):
-    """`train.py --size proxy` (issue 16's third checkpoint): Qwen2.5-VL with rope_theta 1e6, head_dim
-    64, mrope sections in Qwen2.5-VL's proportions (16:24:24), >= 8 LM layers, 64-256 tokens per image,
-    a checkpoint of at most 60 MB; Qwen3-VL is refused."""
+def _assert_real_position_scheme(model, processor) -> None:
+    """rope_theta 1e6, head_dim >= 64, mrope sections in Qwen2.5-VL's proportions (16:24:24), >= 8 LM
+    layers, 64 image tokens at 224 x 224 and 256 at 448 x 448 (64-256 for any size), finite logits."""
     import torch
     from PIL import Image
 
-    out = tmp_path / "proxy"
-    cmd = [sys.executable, str(ROOT / "samples" / "train.py"), "--family", "qwen2_5_vl", "--size", "proxy",
-           "--out", str(out), "--steps", "2", "--batch", "2", "--eval-every", "1000", "--word-tokens"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
-    model, processor = _load(out)
     text = model.config.get_text_config()
     rope = text.rope_parameters
     assert rope["rope_theta"] == 1e6 and text.head_dim >= 64 and text.num_hidden_layers >= 8
     t, h, w = rope["mrope_section"]
     assert 2 * sum(rope["mrope_section"]) == text.head_dim and 3 * t == 2 * h and h == w
-    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
-    assert size <= 60 * 1024 * 1024, f"proxy checkpoint is {size / 1e6:.1f} MB"
     image_id = model.config.image_token_id
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what color ?"}]}]
     prompt = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -118,6 +111,28 @@ def test_proxy_training_command_builds_a_real_position_scheme(tmp_path):
     assert counts[:2] == [64, 256] and all(64 <= c <= 256 for c in counts), counts
     with torch.no_grad():
         assert torch.isfinite(model(**enc).logits).all()
+
+
+def test_bundled_proxy_has_a_real_position_scheme():
+    """The bundled proxy (issue 16's point 4) is the `--size proxy` architecture, not a retitled tiny model."""
+    model, processor = _load(_checkpoint_dir("qwen2_5_vl-proxy"))
+    _assert_real_position_scheme(model, processor)
+    assert json.loads((MODELS / "qwen2_5_vl-proxy" / "train_state.json").read_text())["size"] == "proxy"
+
+
+def test_proxy_training_command_builds_a_real_position_scheme(tmp_path):
+    """`train.py --size proxy` (issue 16's third checkpoint): Qwen2.5-VL with rope_theta 1e6, head_dim
+    64, mrope sections in Qwen2.5-VL's proportions (16:24:24), >= 8 LM layers, 64-256 tokens per image,
+    a checkpoint of at most 60 MB; Qwen3-VL is refused."""
+    out = tmp_path / "proxy"
+    cmd = [sys.executable, str(ROOT / "samples" / "train.py"), "--family", "qwen2_5_vl", "--size", "proxy",
+           "--out", str(out), "--steps", "2", "--batch", "2", "--eval-every", "1000", "--word-tokens"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    model, processor = _load(out)
+    _assert_real_position_scheme(model, processor)
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    assert size <= 60 * 1024 * 1024, f"proxy checkpoint is {size / 1e6:.1f} MB"
     bad = subprocess.run(cmd[:3] + ["qwen3_vl"] + cmd[4:], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert bad.returncode == 2 and "--size proxy" in bad.stderr
 
