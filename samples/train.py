@@ -232,9 +232,10 @@ def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int,
                      filler_types=singles)
         if want_light is not None and light_case(ep) != (want_light, True):
             continue
-        if field_weights and "field" in ep.gate and \
-                rng.random() >= field_weights.get(ep.gate["field"], 1.0) / max(field_weights.values()):
-            continue
+        if field_weights and "field" in ep.gate:  # (no draw when kept for sure: even weights leave the stream as before)
+            keep = field_weights.get(ep.gate["field"], 1.0) / max(field_weights.values())
+            if keep < 1 and rng.random() >= keep:
+                continue
         if bias <= 0 or qtype in E.LOOKUP_TYPES or (qtype not in D.TYPES and qtype != "same_color" and not ep.gate):
             break
         q = ep.messages[-2]["content"][-1]["text"]

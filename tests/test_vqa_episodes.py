@@ -378,7 +378,7 @@ def test_light_focus_makes_the_light_decide_field_image_gates(monkeypatch):
 def test_field_weights_set_how_often_each_field_is_asked(monkeypatch):
     """`train.py --field-weight order_status=4`: text episodes ask about order_status about 4 / 7 of
     the time (the other three fields 1 / 7 each) in every text type; without it, about a quarter.
-    Image episodes are untouched."""
+    Image episodes, and text episodes under even weights (the default), draw exactly as before."""
     train = _train_module()
     built = []
     orig = E.build
@@ -397,9 +397,11 @@ def test_field_weights_set_how_often_each_field_is_asked(monkeypatch):
     for qtype in E.TEXT_TYPES + E.LOOKUP_TYPES:
         assert 0.45 < share(qtype, fw) < 0.70, qtype  # 4/7 = 0.57, sd 0.042
     assert 0.13 < share("field_gate", None) < 0.37  # 1/4, sd 0.037
-    rng_a, rng_b = random.Random(9), random.Random(9)
-    assert train.conversation(rng_a, 1.0, 56, 1, types={"count": 1.0}, field_weights=fw)[2] == \
-        train.conversation(rng_b, 1.0, 56, 1, types={"count": 1.0})[2]
+    even = {f: 1.0 for f in E.FIELDS}  # train.py's default: the data of earlier stages' commands unchanged
+    for qtype, weights in (("count", fw), ("field_gate", even), ("erratum_gate", even)):
+        rng_a, rng_b = random.Random(9), random.Random(9)
+        assert [train.conversation(rng_a, 1.0, 56, 1, types={qtype: 1.0}, field_weights=weights)[0] for _ in range(5)] == \
+            [train.conversation(rng_b, 1.0, 56, 1, types={qtype: 1.0})[0] for _ in range(5)]
 
 
 def test_word_tokens_make_each_field_value_one_token_in_every_format():
