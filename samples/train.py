@@ -356,6 +356,19 @@ def save(model, processor, out: Path, state: dict) -> None:
 # ----------------------------------------------------------------------------- main
 
 
+def weight_options(ap: argparse.ArgumentParser, flag: str, items: list[str], key_name: str, key=str):
+    """(item, key, weight) of each repeatable ``flag KEY=W`` option; one that is not KEY=NUMBER is refused
+    (exit 2) naming the flag. The caller checks the key and the weight's range."""
+    out = []
+    for item in items:
+        name, _, value = item.partition("=")
+        try:
+            out.append((item, key(name), float(value)))
+        except ValueError:
+            ap.error(f"{flag} wants {key_name}=NUMBER, got {item!r}")
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="train a tiny Qwen-VL on the synthetic VQA task")
     ap.add_argument("--family", choices=sorted(GRID), required=True)
@@ -414,33 +427,19 @@ def main(argv=None) -> None:
     if args.rope_theta is not None and (args.resume or args.rope_theta <= 0):
         ap.error("--rope-theta sets a fresh model's rope_theta (> 0); a resumed model keeps its own")
     weights = dict(TYPE_WEIGHTS)
-    for item in args.weight:
-        name, _, value = item.partition("=")
+    for item, name, w in weight_options(ap, "--weight", args.weight, "TYPE"):
         if name not in TYPE_WEIGHTS:
             ap.error(f"--weight {item!r}: the types are {', '.join(TYPE_WEIGHTS)}")
-        try:
-            weights[name] = float(value)
-        except ValueError:
-            ap.error(f"--weight wants TYPE=NUMBER, got {item!r}")
-        if weights[name] < 0:
+        if w < 0:
             ap.error(f"--weight {item!r}: weights are >= 0")
+        weights[name] = w
     turn_weights = dict(TURN_WEIGHTS)
-    for item in args.turn_weight:
-        name, _, value = item.partition("=")
-        try:
-            n, w = int(name), float(value)
-        except ValueError:
-            ap.error(f"--turn-weight wants N=NUMBER, got {item!r}")
+    for item, n, w in weight_options(ap, "--turn-weight", args.turn_weight, "N", key=int):
         if n not in TURN_WEIGHTS or w < 0:
             ap.error(f"--turn-weight {item!r}: N is one of {', '.join(map(str, TURN_WEIGHTS))}, the weight >= 0")
         turn_weights[n] = w
     field_weights = {f: 1.0 for f in E.FIELDS}
-    for item in args.field_weight:
-        name, _, value = item.partition("=")
-        try:
-            w = float(value)
-        except ValueError:
-            ap.error(f"--field-weight wants FIELD=NUMBER, got {item!r}")
+    for item, name, w in weight_options(ap, "--field-weight", args.field_weight, "FIELD"):
         if name not in E.FIELDS or not 0 < w < float("inf"):
             ap.error(f"--field-weight {item!r}: FIELD is one of {', '.join(E.FIELDS)}, the weight > 0")
         field_weights[name] = w
