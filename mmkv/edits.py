@@ -38,8 +38,9 @@ import torch
 
 from mmkv.adapters import ImageFeatures
 from mmkv.errors import InvalidRequestError
-from mmkv.rerotate import reposition_keys
-from mmkv.splice import pad_features, prefill_spliced
+from mmkv.prefix_cache import read_blocks, write_blocks
+from mmkv.rerotate import constant_delta, place_layers, reposition_keys, rotation
+from mmkv.splice import pad_features, preallocate, prefill_spliced
 
 POLICY_NAMES = ("recompute", "erratum", "in_place", "selective")
 
@@ -370,18 +371,6 @@ def insert_before_final_turn(ids: list[int], user_turn: list[int], erratum: list
     return ids[:at] + user_turn + erratum + close + ids[at:], at
 
 
-def _gather(blocks, start: int, stop: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """Per-layer K and V [kv_heads, n, head_dim] and positions [3, n] of tokens [start, stop)
-    from consecutive prefix blocks."""
-    size = blocks[0].positions.shape[1]
-    first, last = start // size, (stop - 1) // size
-    chosen = blocks[first:last + 1]
-    lo, hi = start - first * size, stop - first * size
-    keys = [torch.cat([b.keys[i] for b in chosen], dim=-2)[:, lo:hi] for i in range(len(chosen[0].keys))]
-    values = [torch.cat([b.values[i] for b in chosen], dim=-2)[:, lo:hi] for i in range(len(chosen[0].values))]
-    return keys, values, torch.cat([b.positions for b in chosen], dim=1)[:, lo:hi]
-
-
 def _features_in(plan, start: int, stop: int):
     """Visual features of the image pads among prompt tokens [start, stop)."""
     parts = []
@@ -397,9 +386,10 @@ def prefill_edited(adapter, store, plan, change: FieldChange, old_block_keys: li
     """in_place (k = 0) or selective@k: the old prompt's KV before the change, the changed tokens
     recomputed, the old KV after the change reused (re-rotated by the length difference) with the
     k tokens whose KV at `layer` moved most recomputed, then the rest of the prompt prefilled (at
-    least its last token, so the logits come from the model; with `defer` that last forward is left
-    pending, as `prefill_spliced` documents). None when the old prompt's KV is no longer cached far
-    enough (the caller recomputes)."""
+    least its last token, so the logits come from the model). The old KV is written into the
+    prompt-length slots and every computed token (changed, chosen, rest) runs in one forward,
+    causal by prompt index; with `defer` that forward is left pending, as `prefill_spliced`
+    documents. None when the old prompt's KV is no longer cached far enough (the caller recomputes)."""
     blocks = []
     for key in old_block_keys:
         blk = store.get(key, "prefix")
@@ -415,57 +405,41 @@ def prefill_edited(adapter, store, plan, change: FieldChange, old_block_keys: li
     if a == 0 or covered < a or stale <= 0:
         return None
     cache = adapter.new_cache()
-    keys, values, _ = _gather(blocks, 0, a)
-    for i, (kk, vv) in enumerate(zip(keys, values)):
-        cache.update(kk[None].to(adapter.device), vv[None].to(adapter.device), i)
-    if x:
-        adapter.forward(ids[a:a + x], pos[:, a:a + x], cache, _features_in(plan, a, a + x))
-    s_keys, s_values, s_pos = _gather(blocks, a + y, a + y + stale)
-    new_pos = pos[:, a + x:a + x + stale]
-    s_keys = [reposition_keys(kk, s_pos, new_pos if rotate else s_pos, adapter.rope) for kk in s_keys]
-    chosen = _most_changed(adapter, cache, plan, a, x, stale, s_keys, s_values, k, layer) if k else []
+    layers = preallocate(adapter, cache, 0, ids.numel())
+    dst_keys, dst_values = [lyr.keys for lyr in layers], [lyr.values for lyr in layers]
+    write_blocks(blocks, 0, a, dst_keys, dst_values, 0)
+    s_keys, s_values, s_pos = read_blocks(blocks, a + y, a + y + stale)
+    new_pos = pos[:, a + x:a + x + stale] if rotate else s_pos
+    shift = constant_delta(s_pos, new_pos)
+    turn = tuple(t.to(adapter.device) for t in rotation(shift, adapter.rope)) if shift and any(shift) else None
+    if shift is None or not place_layers(dst_keys, dst_values, a + x, s_keys, s_values, 0, stale, turn):
+        for lyr, kk, vv in zip(layers, s_keys, s_values):
+            moved = reposition_keys(kk.to(adapter.device), s_pos, new_pos, adapter.rope)
+            lyr.keys[0, :, a + x:a + x + stale].copy_(moved)
+            lyr.values[0, :, a + x:a + x + stale].copy_(vv)
+    chosen = _most_changed(adapter, layers, plan, a, x, stale, k, layer) if k else []
+    result = prefill_spliced(adapter, ids, pos, plan.placements, seam, rotate=rotate, cache=cache, start=a + x + stale,
+                             defer=defer, recompute=list(range(a, a + x)) + [a + x + j for j in chosen])
     keep = sorted(set(range(stale)) - set(chosen))
-    for i, (kk, vv) in enumerate(zip(s_keys, s_values)):
-        cache.update(kk[None, :, keep].to(adapter.device), vv[None, :, keep].to(adapter.device), i)
-    if chosen:
-        _recompute_scattered(adapter, cache, plan, a + x, keep, chosen)
-    start = a + x + stale
-    result = prefill_spliced(adapter, ids, pos, plan.placements, seam, rotate=rotate, cache=cache, start=start,
-                             defer=defer)  # the last forward may be left pending: chunked prefill
-    result.computed_tokens += x + len(chosen)
     result.reused_tokens = a + len(keep) + sum(e - b for b, e in result.reused_ranges[1:])
     result.reused_ranges = [(0, a)] + [(a + x + j, a + x + j + 1) for j in keep] + result.reused_ranges[1:]
     result.prefix_tokens = a
     return result
 
 
-def _most_changed(adapter, cache, plan, a, x, stale, s_keys, s_values, k, layer) -> list[int]:
+def _most_changed(adapter, layers, plan, a, x, stale, k, layer) -> list[int]:
     """Indices (into the stale span) of the k tokens whose layer-`layer` KV differs most between
-    the stale cache and a recompute of layers 0..layer over the changed and stale tokens."""
+    the stale KV placed in the slot `layers` and a recompute of layers 0..layer over the changed
+    and stale tokens."""
     probe = adapter.new_cache()
-    for i, lyr in enumerate(cache.layers[: layer + 1]):
+    for i, lyr in enumerate(layers[: layer + 1]):
         probe.update(lyr.keys[:, :, :a].clone(), lyr.values[:, :, :a].clone(), i)
     lo, hi = a, a + x + stale
     adapter.forward_layers(plan.input_ids[lo:hi], plan.positions[:, lo:hi], probe, layer + 1,
                            _features_in(plan, lo, hi))
-    true_k = probe.layers[layer].keys[0, :, a + x:a + x + stale]
-    true_v = probe.layers[layer].values[0, :, a + x:a + x + stale]
-    stale_k, stale_v = s_keys[layer].to(true_k.device), s_values[layer].to(true_v.device)  # where the model is
+    span = slice(a + x, a + x + stale)
+    true_k, true_v = probe.layers[layer].keys[0, :, span], probe.layers[layer].values[0, :, span]
+    stale_k = layers[layer].keys[0, :, span].to(true_k.device)  # where the model is
+    stale_v = layers[layer].values[0, :, span].to(true_v.device)
     delta = (true_k - stale_k).float().pow(2).sum(dim=(0, 2)) + (true_v - stale_v).float().pow(2).sum(dim=(0, 2))
     return sorted(torch.topk(delta, min(k, stale)).indices.tolist())
-
-
-def _recompute_scattered(adapter, cache, plan, base: int, keep: list[int], chosen: list[int]) -> None:
-    """Recompute the chosen stale tokens at every layer, each seeing everything before it: the
-    cache holds tokens [0, base) then the kept stale tokens; a 4D mask restores causality."""
-    past = cache.get_seq_length()
-    order = torch.tensor(list(range(base)) + [base + j for j in keep])  # original index per cache slot
-    q_index = torch.tensor([base + j for j in chosen])
-    mask = torch.full((len(chosen), past + len(chosen)), float("-inf"))
-    mask[:, :past] = torch.where(order[None, :] < q_index[:, None], 0.0, float("-inf"))
-    mask[:, past:] = torch.where(q_index[None, :] <= q_index[:, None], 0.0, float("-inf"))
-    ids = plan.input_ids[q_index]
-    pos = plan.positions[:, q_index]
-    feats = ImageFeatures.concat([f for f in (_features_in(plan, int(i), int(i) + 1) for i in q_index)
-                                  if f is not None])
-    adapter.forward(ids, pos, cache, feats, attention_mask=mask[None, None].to(adapter.device, adapter.dtype))

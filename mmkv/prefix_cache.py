@@ -25,7 +25,7 @@ import xxhash
 from mmkv.adapters import RopeLayout
 from mmkv.chunks import CachedChunk
 from mmkv.kv_store import KVStore
-from mmkv.rerotate import rotate_into, rotation
+from mmkv.rerotate import place_layers, rotate_into, rotation
 
 BLOCK_TOKENS = 16
 REF_BYTES = 3 * 32 + 8 + 3 * 8  # a reference's fields: its, its parent's and its chunk's 32-digit keys, offset, shift
@@ -94,12 +94,17 @@ class ChunkRefBlock:
 
     @property
     def keys(self) -> tuple[torch.Tensor, ...]:
-        sl = slice(self.offset, self.offset + self.size)
-        return tuple(_turned(torch.empty_like(k[:, sl]), k[:, sl], self.shift, self.rope) for k in self.chunk.keys)
+        sl, turn = slice(self.offset, self.offset + self.size), self.turn()
+        return tuple(rotate_into(torch.empty_like(k[:, sl]), k[:, sl], *turn) if turn else k[:, sl].clone()
+                     for k in self.chunk.keys)
 
     @property
     def values(self) -> tuple[torch.Tensor, ...]:
         return tuple(v[:, self.offset:self.offset + self.size] for v in self.chunk.values)
+
+    def turn(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`rotation`'s (cos, signed sin) for the block's shift; None when nothing moves."""
+        return rotation(self.shift, self.rope) if any(self.shift) else None
 
 
 @dataclass(frozen=True)
@@ -114,11 +119,67 @@ class ChunkSpan:
     shift: tuple[int, int, int]
 
 
-def _turned(out: torch.Tensor, keys: torch.Tensor, shift: tuple[int, int, int], rope: RopeLayout) -> torch.Tensor:
-    """`keys` turned by `shift` written into `out` (copied when nothing moves)."""
-    if any(shift):
-        return rotate_into(out, keys, *rotation(shift, rope))
-    return out.copy_(keys)
+def block_runs(blocks: list, block: int) -> Iterator[tuple[int, int, PrefixBlock | ChunkRefBlock]]:
+    """(start, stop, block) over consecutive blocks of `block` tokens (token 0 = the first block's
+    first): each copied block alone; consecutive references to the same chunk with the same shift
+    and contiguous offsets merged under their first block (one rotation for the run)."""
+    i = 0
+    while i < len(blocks):
+        first, j = blocks[i], i + 1
+        if isinstance(first, ChunkRefBlock):
+            while (j < len(blocks) and isinstance(nxt := blocks[j], ChunkRefBlock) and nxt.chunk is first.chunk
+                   and nxt.shift == first.shift and nxt.offset == first.offset + (j - i) * block):
+                j += 1
+        yield i * block, j * block, first
+        i = j
+
+
+def _place_run(dst_keys: list, dst_values: list, at: int, run: PrefixBlock | ChunkRefBlock, first: int, stop: int) -> None:
+    """Tokens [first, stop) of a run (counted from its first block's first token) into rows
+    [at, ...) of every layer's destination ([kv_heads, L, D] or [1, kv_heads, L, D]): a reference's
+    keys turned by its shift (computed once), a copy's copied. One kernel call for all layers on
+    CPU float32, else layer by layer."""
+    if isinstance(run, ChunkRefBlock):
+        src_k, src_v, first, stop, turn = run.chunk.keys, run.chunk.values, run.offset + first, run.offset + stop, run.turn()
+    else:
+        src_k, src_v, turn = run.keys, run.values, None
+    if place_layers(dst_keys, dst_values, at, src_k, src_v, first, stop, turn):
+        return
+    n = stop - first
+    for dk, dv, sk, sv in zip(dst_keys, dst_values, src_k, src_v):
+        k = (dk[0] if dk.dim() == 4 else dk)[:, at:at + n]
+        v = (dv[0] if dv.dim() == 4 else dv)[:, at:at + n]
+        rows = sk[:, first:stop].to(k.device)
+        if turn:
+            rotate_into(k, rows, *turn)
+        else:
+            k.copy_(rows)
+        v.copy_(sv[:, first:stop])
+
+
+def write_blocks(blocks: list, start: int, stop: int, dst_keys: list, dst_values: list, at: int) -> None:
+    """Tokens [start, stop) of consecutive blocks that begin at token 0 into rows [at, ...) of every
+    layer's destination ([kv_heads, L, D] or [1, kv_heads, L, D]): each run of references to one
+    chunk turned once, in one pass."""
+    size = blocks[0].positions.shape[1]
+    lo_block, hi_block = start // size, (stop - 1) // size
+    base = lo_block * size
+    for first, end, run in block_runs(blocks[lo_block:hi_block + 1], size):
+        a, b = max(base + first, start), min(base + end, stop)  # prompt tokens this run supplies
+        _place_run(dst_keys, dst_values, at + a - start, run, a - base - first, b - base - first)
+
+
+def read_blocks(blocks: list, start: int, stop: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Per-layer K and V [kv_heads, stop - start, head_dim] (new tensors) and positions [3, n] of
+    tokens [start, stop) of consecutive blocks that begin at token 0 (`write_blocks`)."""
+    size = blocks[0].positions.shape[1]
+    chosen = blocks[start // size:(stop - 1) // size + 1]
+    src_k, src_v = (blk.chunk.keys, blk.chunk.values) if isinstance(blk := chosen[0], ChunkRefBlock) else (blk.keys, blk.values)
+    keys = [k.new_empty((k.shape[0], stop - start, k.shape[-1])) for k in src_k]
+    values = [v.new_empty((v.shape[0], stop - start, v.shape[-1])) for v in src_v]
+    write_blocks(blocks, start, stop, keys, values, 0)
+    lo = start // size * size
+    return keys, values, torch.cat([b.positions for b in chosen], dim=1)[:, start - lo:stop - lo]
 
 
 def block_keys(token_ids: torch.Tensor, chunk_keys: list[str | None], salt: str,
@@ -171,30 +232,10 @@ class PrefixCache:
     def load(self, blocks: list[PrefixBlock | ChunkRefBlock], layers: list) -> None:
         """Write the blocks' KV into the first slots of prompt-length cache layers (each with
         `keys` / `values` [1, kv_heads, L, head_dim]): copies straight in, and each run of
-        references to one chunk rotated straight in by one pass per layer."""
-        for at, stop, run in self._runs(blocks):
-            for i, layer in enumerate(layers):
-                k, v = layer.keys[0, :, at:stop], layer.values[0, :, at:stop]
-                if isinstance(run, ChunkRefBlock):
-                    sl = slice(run.offset, run.offset + stop - at)
-                    _turned(k, run.chunk.keys[i][:, sl].to(k.device), run.shift, run.rope)
-                    v.copy_(run.chunk.values[i][:, sl])
-                else:
-                    k.copy_(run.keys[i])
-                    v.copy_(run.values[i])
-
-    def _runs(self, blocks: list) -> Iterator[tuple[int, int, PrefixBlock | ChunkRefBlock]]:
-        """(start, stop, block): each copied block alone; consecutive references to the same
-        chunk with the same shift and contiguous offsets merged under their first block."""
-        i = 0
-        while i < len(blocks):
-            first, j = blocks[i], i + 1
-            if isinstance(first, ChunkRefBlock):
-                while (j < len(blocks) and isinstance(nxt := blocks[j], ChunkRefBlock) and nxt.chunk is first.chunk
-                       and nxt.shift == first.shift and nxt.offset == first.offset + (j - i) * self.block):
-                    j += 1
-            yield i * self.block, j * self.block, first
-            i = j
+        references to one chunk rotated straight in by one pass (`block_runs`, `_place_run`)."""
+        dst_keys, dst_values = [x.keys for x in layers], [x.values for x in layers]
+        for at, stop, run in block_runs(blocks, self.block):
+            _place_run(dst_keys, dst_values, at, run, 0, stop - at)
 
     def insert(self, keys: list[str], cache, positions: torch.Tensor, have: int, upto_tokens: int,
                spans: list[ChunkSpan] = (), rope: RopeLayout | None = None) -> int:

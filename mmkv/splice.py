@@ -265,14 +265,17 @@ def _features(placements: list[Placement], ranges: list[tuple[int, int]]) -> Ima
 
 def prefill_spliced(adapter: VLAdapter, input_ids: torch.Tensor, positions: torch.Tensor,
                     placements: list[Placement], seam_tokens: int, rotate: bool = True,
-                    cache: DynamicCache | None = None, start: int = 0, defer: bool = False) -> PrefillResult:
+                    cache: DynamicCache | None = None, start: int = 0, defer: bool = False,
+                    recompute: list[int] = ()) -> PrefillResult:
     """Prefill `input_ids` [L] at `positions` [3, L] with every chunk taken from `placements`.
 
-    `cache` may already hold the KV of tokens [0, start) (a prefix-cache hit; any order). The
-    result equals one forward pass over the same tokens and positions in which each chunk's tokens
-    see only their own chunk (see mmkv.oracle). It runs one LM forward; `cache` is filled in place
-    (its layers become prompt-length buffers) and returned in the result. With `defer` the KV is
-    placed and the forward left in `result.pending` (chunked prefill: `result.advance`).
+    `cache` may already hold the KV of tokens [0, start) (a prefix-cache hit; any order), but for
+    the prompt indices `recompute` (ascending, below `start`; an edit's changed tokens), computed
+    in the same forward as the rest. The result equals one forward pass over the same tokens and
+    positions in which each chunk's tokens see only their own chunk (see mmkv.oracle). It runs one
+    LM forward; `cache` is filled in place (its layers become prompt-length buffers) and returned
+    in the result. With `defer` the KV is placed and the forward left in `result.pending`
+    (chunked prefill: `result.advance`).
     """
     if seam_tokens < 0:
         raise ValueError("seam_tokens must be >= 0")
@@ -286,10 +289,13 @@ def prefill_spliced(adapter: VLAdapter, input_ids: torch.Tensor, positions: torc
     for p, first, stop in layout.reused:
         place_chunk(layers, p, first, stop, adapter.rope, rotate)
         reused.append((p.start + first, p.start + stop))
-    index = torch.cat([torch.arange(a, b) for a, b in layout.computed])  # [Q] prompt indices, ascending
+    computed = [(i, i + 1) for i in recompute] + layout.computed
+    if list(recompute) != sorted(set(recompute)) or any(not 0 <= i < start for i in recompute):
+        raise ValueError("recompute: ascending prompt indices below start")
+    index = torch.cat([torch.arange(a, b) for a, b in computed])  # [Q] prompt indices, ascending
 
     def features(lo: int, hi: int) -> ImageFeatures | None:  # of the computed tokens in prompt [lo, hi)
-        return _features(placements, [(max(a, lo), min(b, hi)) for a, b in layout.computed if a < hi and lo < b])
+        return _features(placements, [(max(a, lo), min(b, hi)) for a, b in computed if a < hi and lo < b])
 
     forward = ChunkedForward(adapter, cache, input_ids, positions, index, features, layers)
     result = PrefillResult(cache, None, index.numel(), sum(b - a for a, b in reused), reused, start, forward)

@@ -105,8 +105,8 @@ def test_chunked_forward_after_a_prefix_cache_hit(engine):
 
 
 def test_an_edit_policy_chunks_its_last_forward(engine):
-    """in_place recomputes the changed field, then prefills the rest of the prompt through the
-    splice's forward: that forward chunks like any other."""
+    """in_place computes the changed field and the rest of the prompt in one forward through the
+    splice's slots: that forward chunks like any other."""
     def prompt(value):
         return [{"role": "system", "content": TEXT * 4 + f"\norder_status: {value}\n" + TEXT * 2},
                 {"role": "user", "content": "refund ?"}]

@@ -429,3 +429,60 @@ def test_reused_counts_equal_the_per_token_count(engine, monkeypatch):
     engine.generate(_edit_pair("shipped"), max_new_tokens=1, tenant=tenant, edit_policy="in_place")
     assert len(seen) == 4 and any(fresh for _, fresh in seen)
     assert all(seen[1][0][k] > 0 for k in ("image", "skill", "prefix", "all"))
+
+
+def test_read_blocks_equals_each_blocks_own_kv_across_references_and_copies(engine):
+    """The edit policies read an older prompt's KV with `read_blocks` / `write_blocks`, which turn
+    each run of references to one chunk once; the reference is every block's own `keys` / `values`
+    (a ChunkRefBlock turns its slice of the chunk alone), concatenated and sliced."""
+    from mmkv.prefix_cache import ChunkRefBlock, PrefixBlock, read_blocks, write_blocks
+
+    tenant = "read-blocks"
+    sid = engine.add_skill("long policy", POLICY * 4, tenant=tenant)
+    engine.generate(_skill_chat(sid, "user 3 likes detail ."), max_new_tokens=1, tenant=tenant)
+    msgs = _skill_chat(sid, "user 3 likes detail .", turns=1)
+    plan = engine.splice_plan(msgs, tenant=tenant)
+    keys = block_keys(plan.input_ids, plan.chunk_keys, engine._salt(tenant, 1, "native"))
+    blocks = engine.prefix.lookup(keys, plan.input_ids.numel())
+    kinds = [type(b) for b in blocks]
+    assert ChunkRefBlock in kinds and PrefixBlock in kinds and kinds.count(ChunkRefBlock) >= 3
+    n = len(blocks) * BLOCK_TOKENS
+    want_k = [torch.cat([b.keys[i] for b in blocks], dim=-2) for i in range(engine.adapter.num_layers)]
+    want_v = [torch.cat([b.values[i] for b in blocks], dim=-2) for i in range(engine.adapter.num_layers)]
+    want_pos = torch.cat([b.positions for b in blocks], dim=1)
+    for start, stop in ((0, n), (3, n - 5), (BLOCK_TOKENS + 1, 3 * BLOCK_TOKENS + 2), (n - 2, n), (7, 8)):
+        got_k, got_v, got_pos = read_blocks(blocks, start, stop)
+        assert got_pos.equal(want_pos[:, start:stop])
+        for gk, gv, wk, wv in zip(got_k, got_v, want_k, want_v):
+            torch.testing.assert_close(gk, wk[:, start:stop], atol=1e-6, rtol=0)
+            assert gv.equal(wv[:, start:stop])
+    # into rows [at, ...) of prompt-length buffers: those rows only
+    at, (start, stop) = 5, (2 * BLOCK_TOKENS - 3, n - 1)
+    dst_k = [torch.full((1, *k.shape[:-2], n + 9, k.shape[-1]), 7.0) for k in want_k]
+    dst_v = [torch.full((1, *v.shape[:-2], n + 9, v.shape[-1]), 7.0) for v in want_v]
+    write_blocks(blocks, start, stop, dst_k, dst_v, at)
+    for dk, dv, wk, wv in zip(dst_k, dst_v, want_k, want_v):
+        torch.testing.assert_close(dk[0, :, at:at + stop - start], wk[:, start:stop], atol=1e-6, rtol=0)
+        assert dv[0, :, at:at + stop - start].equal(wv[:, start:stop])
+        rest = torch.cat((dk[0, :, :at], dk[0, :, at + stop - start:], dv[0, :, :at], dv[0, :, at + stop - start:]), 1)
+        assert (rest == 7.0).all()
+
+
+@pytest.mark.parametrize("policy, probes", [("in_place", 0), ("selective@3", 1)])
+def test_an_edit_policy_runs_one_lm_forward(engine, monkeypatch, policy, probes):
+    """The changed tokens, the chosen stale tokens and the rest of the prompt run in one forward
+    (into the prompt-length slots, causal by prompt index); selective@K adds its partial probe.
+    On a small model a forward's fixed cost is most of a short turn's time."""
+    tenant = f"one-forward-{policy}"
+    engine.generate(_edit_pair("pending"), max_new_tokens=1, tenant=tenant)
+    calls = {"forward": 0, "forward_layers": 0}
+    for name in calls:
+        original = getattr(engine.adapter, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(engine.adapter, name, counted)
+    r = engine.generate(_edit_pair("shipped"), max_new_tokens=1, tenant=tenant, edit_policy=policy)
+    assert r.edit.applied == policy and r.edit.changed_tokens > 0
+    assert calls == {"forward": 1, "forward_layers": probes}
