@@ -101,6 +101,7 @@ class Sample:
     tokens: int  # LM tokens computed
     prompt_tokens: int = 0  # engine arms: the prompt the engine prefilled
     after_s: float = 0.0  # engine arms: CPU time after the first token (the prefix-cache insert), not in cpu_s
+    applied: str = ""  # engine arms with an edit policy: the policy that ran (a fallback says recompute)
 
 
 @dataclass
@@ -171,7 +172,8 @@ def first_token(engine, messages, **kwargs) -> tuple[object, float, float]:
 def engine_sample(engine, messages, **kwargs) -> Sample:
     """One engine turn (`first_token`): its TTFT, its CPU time to that token, its computed tokens."""
     r, cpu_s, after_s = first_token(engine, messages, **kwargs)
-    return Sample(r.ttft_s, cpu_s, r.lm_tokens_computed, r.usage.prompt_tokens, after_s)
+    return Sample(r.ttft_s, cpu_s, r.lm_tokens_computed, r.usage.prompt_tokens, after_s,
+                  r.edit.applied if r.edit is not None else "")
 
 
 def rows_of(names: list[str], samples: dict[str, list[Sample]], vision: dict[str, int]) -> list[Row]:
@@ -447,24 +449,27 @@ def bench_errata(engine, policy_tokens: int, turns: int, text: TextContext) -> T
                 msgs.append({"role": "assistant", "content": "escalate"})
         return msgs
 
-    def turn(t: int, erratum: bool, reuse: bool, tenant: str) -> Sample:
-        return engine_sample(engine, conversation(t, erratum), reuse=reuse, tenant=tenant)
+    def turn(t: int, erratum: bool, reuse: bool, tenant: str, **kwargs) -> Sample:
+        return engine_sample(engine, conversation(t, erratum), reuse=reuse, tenant=tenant, **kwargs)
 
     names = ["full recompute", "exact-prefix caching (field edited in place)", "mmkv erratum (appended)",
-             "text-only turn", "limit"]
+             "mmkv in_place (field edited, old KV reused)", "text-only turn", "limit"]
     samples = {name: [] for name in names}
-    length = 0
+    length, applied = 0, []
     for t in range(turns):
         samples[names[0]].append(turn(t, False, False, "errata-full"))
         samples[names[1]].append(turn(t, False, True, "errata-prefix"))
         samples[names[2]].append(turn(t, True, True, "errata-erratum"))
+        samples[names[3]].append(turn(t, False, True, "errata-in-place", edit_policy="in_place"))
+        applied.append(samples[names[3]][-1].applied)
         length, q = samples[names[2]][-1].prompt_tokens, samples[names[2]][-1].tokens
-        for name, arm in ((names[3], text.text_only(length, q)), (names[4], text.limit(length, q))):
+        for name, arm in ((names[4], text.text_only(length, q)), (names[5], text.limit(length, q))):
             arm()  # warm-up at this shape
             samples[name].append(arm())
     rows = rows_of(names, {name: s[1:] for name, s in samples.items()}, {})
     table = Table("errata", f"{policy_tokens}-token policy, turns 2..{turns}", length, rows,
-                  {"turns": turns, "note": "median over turns 2.., the first turn fills the caches"})
+                  {"turns": turns, "note": "median over turns 2.., the first turn fills the caches",
+                   "in_place_applied": f"{applied[1:].count('in_place')}/{len(applied) - 1} turns"})
     return finish(table, "full recompute", "limit")
 
 

@@ -67,6 +67,10 @@ def test_errata_arms(report):
     erratum = rows["mmkv erratum (appended)"]["computed_tokens"]
     assert rows["limit"]["computed_tokens"] == rows["text-only turn"]["computed_tokens"] == erratum
     assert rows["full recompute"]["computed_tokens"] > rows["exact-prefix caching (field edited in place)"]["computed_tokens"] > erratum
+    table = next(t for t in report["tables"] if t["mode"] == "errata")
+    assert table["notes"]["in_place_applied"] == "1/1 turns"  # the in_place arm ran in_place, not a fallback
+    in_place = rows["mmkv in_place (field edited, old KV reused)"]["computed_tokens"]
+    assert in_place < rows["exact-prefix caching (field edited in place)"]["computed_tokens"]
 
 
 def test_copy_and_bytes(report):
