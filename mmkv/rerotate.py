@@ -44,9 +44,20 @@ def rotation(delta: tuple[int, int, int], rope: RopeLayout) -> tuple[torch.Tenso
     """(cos, signed sin) [head_dim] (float32) for a constant per-axis change, laid out for
     `rotate_into`: cos of each frequency's angle twice, then (-sin, sin). Angles in float64, as in
     `reposition_keys`."""
-    angles = torch.tensor(delta, dtype=torch.float64)[rope.axis_of_freq] * rope.inv_freq.to(torch.float64)
-    cos, sin = angles.cos().float(), angles.sin().float()
-    return torch.cat((cos, cos)), torch.cat((-sin, sin))
+    inv_freq, axis = _rope_arrays(rope)
+    angles = np.asarray(delta, dtype=np.float64)[axis] * inv_freq  # numpy: a few us, torch's small ops ~100 us
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    return torch.from_numpy(np.concatenate((cos, cos))), torch.from_numpy(np.concatenate((-sin, sin)))
+
+
+def _rope_arrays(rope: RopeLayout) -> tuple[np.ndarray, np.ndarray]:
+    """The rope's inv_freq (float64) and axis of each frequency as numpy arrays, made once per
+    layout (kept on the frozen layout object, outside its fields)."""
+    arrays = rope.__dict__.get("_arrays")
+    if arrays is None:
+        arrays = (rope.inv_freq.detach().cpu().double().numpy(), rope.axis_of_freq.detach().cpu().numpy())
+        object.__setattr__(rope, "_arrays", arrays)
+    return arrays
 
 
 def rotate_into(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
