@@ -148,10 +148,15 @@ class TokenView:
 class RecentPrompt:
     """A prompt the engine prefilled, kept to detect in-place edits of it. `client` is what the
     request rendered to; `prefilled` is what was prefilled (they differ once the erratum policy
-    rewrote it, and later turns keep extending the rewritten prompt)."""
+    rewrote it, and later turns keep extending the rewritten prompt). `salt`: the prefix-cache
+    salt its blocks are stored under ('' = the exact salt of its request; an in_place /
+    selective@K turn's approximate KV sits under that policy's own salt). `seq` orders prompts of
+    different keys by age (set by `RecentPrompts.add`)."""
 
     client: TokenView
     prefilled: TokenView
+    salt: str = ""
+    seq: int = 0
 
     @property
     def rewritten(self) -> bool:
@@ -170,6 +175,7 @@ class RecentPrompts:
         self.per_key, self.max_keys, self.budget_bytes = per_key, max_keys, budget_bytes
         self._by_key: OrderedDict[object, deque[RecentPrompt]] = OrderedDict()
         self.nbytes = 0
+        self._seq = 0
 
     def of(self, key) -> list[RecentPrompt]:
         prompts = self._by_key.get(key)
@@ -179,6 +185,8 @@ class RecentPrompts:
         return list(prompts)
 
     def add(self, key, prompt: RecentPrompt) -> None:
+        self._seq += 1
+        prompt.seq = self._seq
         prompts = self._by_key.setdefault(key, deque())
         self._by_key.move_to_end(key)
         prompts.append(prompt)

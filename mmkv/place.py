@@ -60,6 +60,8 @@ class EditReport:
     reused_tokens: int = 0  # prompt tokens whose KV came from a cache
     erratum: str = ""  # the erratum line appended (erratum policy)
     reason: str = ""  # why the policy asked for did not apply (then `applied` is recompute)
+    continued: bool = False  # in_place / selective@K, no change: the prompt continues this policy's earlier
+    #                          turn and reuses its (approximate) KV
 
 
 #: An added token that is markup (`<|im_start|>`, `<tool_call>`, `<think>`), special or not.
@@ -79,6 +81,11 @@ def template_tokens_of(tokenizer) -> TemplateTokens:
         special=frozenset(special),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
     )
+
+
+def approx_salt(salt: str, edit: EditPolicy) -> str:
+    """The prefix-cache salt of the approximate KV an in_place / selective@K turn leaves."""
+    return f"{salt}|edit={edit}"
 
 
 class KVPlacer:
@@ -102,6 +109,8 @@ class KVPlacer:
         falls back to the exact path (recompute) and the report says why: a policy never turns an
         answerable request into an error."""
         recent = self.recent.of((tenant, salt))
+        if edit.name in ("in_place", "selective"):  # and this policy's own earlier turns, oldest first
+            recent = sorted(recent + self.recent.of((tenant, approx_salt(salt, edit))), key=lambda p: p.seq)
         client = TokenView.of(plan.input_ids, plan.placements)
         change = detect_field_change(client, recent, self.template_tokens, self.edit_rules)
         report = None
@@ -111,10 +120,17 @@ class KVPlacer:
         elif edit.name != "recompute":
             report = EditReport(str(edit), False)
         result = None
-        if edit.name != "recompute":
+        chain = self._continued_chain(client, recent) if change is None and edit.name in ("in_place", "selective") \
+            else None
+        if chain is not None:  # a later turn of a conversation this policy edited: stay on its KV
+            result = self._prefill_prefix(plan, chain.salt, seam, policy)
+            if self.settings.prefix_cache:
+                self.recent.add((tenant, chain.salt), RecentPrompt(client, client, salt=chain.salt))
+            report.applied, report.continued = str(edit), True
+        elif edit.name != "recompute":
             try:
-                result, plan = self._apply_edit_policy(edit, plan, client, change, report, recent, salt, seam,
-                                                       policy, max_new_tokens)
+                result, plan = self._apply_edit_policy(edit, plan, client, change, report, recent, tenant, salt,
+                                                       seam, policy, max_new_tokens)
             except Exception as exc:  # noqa: BLE001 - the exact path below answers instead
                 log.warning("edit policy %s failed, recomputing: %r", edit, exc)
                 result = None  # `plan` is still the client's: the exception came before any rewrite
@@ -129,12 +145,23 @@ class KVPlacer:
             report.recomputed_tokens, report.reused_tokens = result.computed_tokens, result.reused_tokens
         return result, plan, report
 
+    @staticmethod
+    def _continued_chain(client: TokenView, recent: list[RecentPrompt]) -> RecentPrompt | None:
+        """The most recent prompt `client` continues (`recent` oldest first), when it is an
+        in_place / selective@K turn's (its KV approximate, under that policy's salt); else None."""
+        continued = [p for p in recent if client.starts_with(p.client)]
+        return continued[-1] if continued and continued[-1].salt else None
+
     def _apply_edit_policy(self, edit: EditPolicy, plan: SplicePlan, client: TokenView, change: FieldChange | None,
-                           report: EditReport, recent: list[RecentPrompt], salt: str, seam: int, policy: str,
-                           max_new_tokens: int) -> tuple[PrefillResult | None, SplicePlan]:
+                           report: EditReport, recent: list[RecentPrompt], tenant: str, salt: str, seam: int,
+                           policy: str, max_new_tokens: int) -> tuple[PrefillResult | None, SplicePlan]:
         """Run `edit`: the erratum policy returns the rewritten plan (prefilled by the caller);
-        in_place / selective@K return their prefill. Sets report.applied and, when the policy
-        cannot apply, report.reason (the caller then recomputes `plan`)."""
+        in_place / selective@K return their prefill, edited from the most recent prompt that
+        matches, exact or an earlier turn of the same policy. Their KV is approximate, so its
+        blocks go under the policy's own salt (`approx_salt`: no exact request ever reads them)
+        and the prompt joins the policy's recent prompts: a loop that edits every turn edits the
+        previous turn, not the last exact one. Sets report.applied and, when the policy cannot
+        apply, report.reason (the caller then recomputes `plan`)."""
         if edit.name == "erratum":
             rewritten = self._erratum_plan(plan, client, change, recent, policy)
             if rewritten is None:
@@ -153,13 +180,18 @@ class KVPlacer:
             report.reason = "the earlier prompt was rewritten by an erratum"
             return None, plan
         old = change.prompt.prefilled
-        old_keys = block_keys(torch.from_numpy(old.ids).long(), old.chunk_keys(), salt)
+        old_keys = block_keys(torch.from_numpy(old.ids).long(), old.chunk_keys(), change.prompt.salt or salt)
         result = prefill_edited(self.adapter, self.store, plan, change, old_keys, seam, edit.k,
                                 self.settings.selective_layer, rotate=policy != "none", defer=True)
         if result is None:
             report.reason = "the earlier prompt's KV is no longer cached past the change"
             return None, plan
         report.applied = str(edit)
+        if self.settings.prefix_cache:
+            own = approx_salt(salt, edit)
+            keys, cache, n = block_keys(plan.input_ids, plan.chunk_keys, own), result.cache, plan.input_ids.numel()
+            self.deferred_insert = lambda: self.prefix.insert(keys, cache, plan.positions, 0, n)
+            self.recent.add((tenant, own), RecentPrompt(client, client, salt=own))
         return result, plan
 
     def _prefill_prefix(self, plan: SplicePlan, salt: str, seam: int, policy: str) -> PrefillResult:

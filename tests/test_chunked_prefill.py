@@ -110,10 +110,10 @@ def test_an_edit_policy_chunks_its_last_forward(engine):
     def prompt(value):
         return [{"role": "system", "content": TEXT * 4 + f"\norder_status: {value}\n" + TEXT * 2},
                 {"role": "user", "content": "refund ?"}]
-    engine.generate(prompt("pending"), max_new_tokens=1, tenant="edit-chunks")
     runs = []
-    for size in (None, 1, 3):
-        run = engine.start(prompt("shipped"), max_new_tokens=1, tenant="edit-chunks", edit_policy="in_place")
+    for size in (None, 1, 3):  # each its own tenant: an in_place turn becomes the next one's starting point
+        engine.generate(prompt("pending"), max_new_tokens=1, tenant=f"edit-chunks-{size}")
+        run = engine.start(prompt("shipped"), max_new_tokens=1, tenant=f"edit-chunks-{size}", edit_policy="in_place")
         assert run.report["edit"].applied == "in_place" and run.pending_tokens > 3
         with engine._lock:
             while not run.prefill(size):

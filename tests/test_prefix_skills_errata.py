@@ -486,3 +486,80 @@ def test_an_edit_policy_runs_one_lm_forward(engine, monkeypatch, policy, probes)
     r = engine.generate(_edit_pair("shipped"), max_new_tokens=1, tenant=tenant, edit_policy=policy)
     assert r.edit.applied == policy and r.edit.changed_tokens > 0
     assert calls == {"forward": 1, "forward_layers": probes}
+
+
+def _status(turn: int) -> str:
+    return f"{('pending', 'shipped')[turn % 2]}-{turn}"
+
+
+def _edit_loop(turn: int) -> list[dict]:
+    """An agent loop that edits the status field in the system turn every turn."""
+    msgs = [{"role": "system", "content": POLICY * 4 + f"\norder_status: {_status(turn)}\n" + POLICY * 2}]
+    for u in range(turn + 1):
+        msgs.append({"role": "user", "content": f"refund or escalate ? case {u}"})
+        if u < turn:
+            msgs.append({"role": "assistant", "content": "escalate"})
+    return msgs
+
+
+def test_an_edit_loop_edits_the_previous_turn_not_the_last_exact_one(engine):
+    """in_place / selective@K keep their turn's (approximate) KV under the policy's own salt: the
+    next edited turn starts from it, so each turn computes its changed field and its new turn only
+    (before, everything since the last exact prompt: a tail that grew every turn)."""
+    tenant = "edit-loop"
+    first = engine.generate(_edit_loop(0), max_new_tokens=1, tenant=tenant, edit_policy="in_place")
+    assert first.edit.applied == "recompute" and first.edit.reason == "no field change"
+    computed = []
+    for t in range(1, 5):
+        r = engine.generate(_edit_loop(t), max_new_tokens=1, tenant=tenant, edit_policy="in_place")
+        assert r.edit.applied == "in_place", r.edit.reason
+        assert r.edit.old_value == _status(t - 1)  # the previous turn, not the last exact one (turn 0)
+        new_turn = r.usage.prompt_tokens - engine.prompt_ids(_edit_loop(t - 1)).numel()  # the turn it adds
+        # the old prompt's KV is kept in whole blocks: at most a block's worth of it is recomputed
+        assert r.lm_tokens_computed <= r.edit.changed_tokens + new_turn + BLOCK_TOKENS
+        computed.append(r.lm_tokens_computed)
+    assert max(computed) <= min(computed) + BLOCK_TOKENS + 4, computed  # bounded, not growing with the turns
+    engine.check_integrity()
+
+
+def test_an_edit_loop_of_selective_recomputing_everything_stays_exact(engine):
+    """selective@K with K past the prompt recomputes every token after the change, so a loop of
+    it chained through the policy's own blocks must equal a full recompute at every turn: the
+    chain reads the previous turn's KV at the right tokens and positions."""
+    tenant = "edit-loop-exact"
+    engine.generate(_edit_loop(0), max_new_tokens=1, tenant=tenant, edit_policy="selective@100000")
+    for t in range(1, 4):
+        r = engine.generate(_edit_loop(t), max_new_tokens=1, tenant=tenant, edit_policy="selective@100000")
+        assert r.edit.applied == "selective@100000" and r.usage.cached_tokens > 0
+        assert r.edit.old_value == _status(t - 1)  # edited from the previous turn, read from its own blocks
+        exact = engine.generate(_edit_loop(t), max_new_tokens=1, reuse=False).first_logits
+        assert (r.first_logits - exact).abs().max().item() <= TOL, t
+
+
+def test_an_exact_request_never_reads_an_edit_loops_approximate_kv(engine):
+    tenant = "edit-loop-apart"
+    for t in range(3):
+        engine.generate(_edit_loop(t), max_new_tokens=1, tenant=tenant, edit_policy="in_place")
+    again = engine.generate(_edit_loop(2), max_new_tokens=1, tenant=tenant)  # recompute: exact reuse only
+    exact = engine.generate(_edit_loop(2), max_new_tokens=1, reuse=False).first_logits
+    assert (again.first_logits - exact).abs().max().item() <= TOL
+    ids, first = engine.prompt_ids(_edit_loop(2)).tolist(), engine.prompt_ids(_edit_loop(0)).tolist()
+    field = next(i for i, (a, b) in enumerate(zip(ids, first)) if a != b)
+    assert 0 < again.usage.cached_tokens <= field  # the exact blocks before the field, none of the loop's
+
+
+def test_a_later_turn_of_an_edited_conversation_stays_on_its_kv(engine):
+    """Under in_place, a turn that only continues an in_place turn (no new edit) reuses that turn's
+    approximate KV (reported: `continued`), instead of recomputing from the field on; under
+    recompute the same turn reads exact KV only."""
+    tenant = "edit-continue"
+    for t in range(2):
+        engine.generate(_edit_loop(t), max_new_tokens=1, tenant=tenant, edit_policy="in_place")
+    later = _edit_loop(1) + [{"role": "assistant", "content": "escalate"}, {"role": "user", "content": "and now ?"}]
+    r = engine.generate(later, max_new_tokens=1, tenant=tenant, edit_policy="in_place")
+    assert not r.edit.detected and r.edit.applied == "in_place" and r.edit.continued and r.edit.reason == ""
+    n_prev = engine.prompt_ids(_edit_loop(1)).numel()
+    assert r.usage.cached_tokens == (n_prev // BLOCK_TOKENS) * BLOCK_TOKENS  # the in_place turn's own blocks
+    exact = engine.generate(later, max_new_tokens=1, tenant=tenant)  # recompute: exact blocks only
+    assert exact.usage.cached_tokens < r.usage.cached_tokens
+    assert exact.edit is None or exact.edit.applied == "recompute"
