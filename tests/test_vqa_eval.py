@@ -262,3 +262,18 @@ def test_merge_of_seed_shards_equals_the_whole_run(data, tmp_path):
         assert merged["summary"][name]["by_type"] == s["by_type"]
     with pytest.raises(ValueError, match="share conversation seeds"):
         merge_reports([paths[0], paths[0]], tmp_path / "again")
+
+
+def test_errata_chain_runs_loops_of_edits_on_their_own_kv(engine, tmp_path):
+    """`--chain N`: each conversation as a loop of N edits; in_place applies at every step, edits
+    the previous step (few tokens where recompute's grow with the turns) and is scored against
+    recompute at the same step."""
+    rep = run_errata(limit=2, ks=[2], out=tmp_path, max_new_tokens=2, engine=engine, progress=False, chain=3)
+    c = rep["chain"]
+    assert c["steps"] == 3 and c["arms"] == ["recompute", "in_place", "selective@2"]
+    ref, ip = c["summary"]["recompute"], c["summary"]["in_place"]
+    assert [e["step"] for e in ip] == [1, 2, 3] and all(e["applied"] == rep["n"] for e in ip)
+    assert all(e["agreement"]["k"] == e["agreement"]["n"] == rep["n"] for e in ref)  # recompute vs itself
+    assert ref[2]["lm_tokens_computed"] > ref[0]["lm_tokens_computed"]  # the loop grows: recompute pays for it
+    assert all(e["lm_tokens_computed"] < r["lm_tokens_computed"] for e, r in zip(ip[1:], ref[1:]))
+    assert "## Chained edits: 3 per conversation" in (tmp_path / "report.md").read_text()

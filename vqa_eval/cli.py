@@ -35,6 +35,9 @@ def eval_command(
     decomposition: Annotated[bool, typer.Option(help="Run the block-masked oracles for the error "
                                                      "decomposition.")] = True,
     k: Annotated[list[str] | None, typer.Option("--k", help="errata: K values for selective@K.")] = None,
+    chain: Annotated[int, typer.Option(min=0, max=64, help="errata: also run each conversation as a loop of this "
+                                                          "many edits, a new value and one more turn each step "
+                                                          "(in_place and selective@K chained on their own KV).")] = 0,
     out: Annotated[Path, typer.Option(help="Where report.json, report.md and the plot go.")] = Path("eval-out"),
     max_new_tokens: Annotated[int | None, typer.Option(help="Greedy answer length cap. Default: 6, episodes 16 "
                                                               "(describe's answers run to 12 tokens).")] = None,
@@ -84,7 +87,7 @@ def eval_command(
             from mmkv.vqa_eval.errata import run_errata
 
             ks = [int(x) for x in _split(k)] or None
-            report = run_errata(model_dir, ks=ks, seeds=seeds, **common)
+            report = run_errata(model_dir, ks=ks, seeds=seeds, chain=chain, **common)
         elif grid:
             from mmkv.vqa_eval.grid import run_grid
 

@@ -91,6 +91,51 @@ def serve(engine: Engine, arm: str, conv: ErrataConversation, file_ids: dict[str
             "reason": edit.reason if edit else "", "field": edit.field if edit else ""}
 
 
+def chain_value(conv: ErrataConversation, step: int) -> str:
+    """The field's value at step `step` of a chained loop: the old value, then a new one each step."""
+    return conv.old if step == 0 else f"{(conv.new, conv.old)[(step - 1) % 2]}-{step}"
+
+
+def serve_chain(engine: Engine, arm: str, conv: ErrataConversation, file_ids: dict[str, str], tenant: str,
+                steps: int, max_new_tokens: int) -> list[dict]:
+    """C, then `steps` requests each with a new value and one more turn (the earlier answer, the
+    final question again), under one arm; the records of the `steps` later requests."""
+    turns, out = list(conv.turns), []
+    for step in range(steps + 1):
+        msgs = to_messages(f"{conv.system}\n{field_line(conv.format, conv.field, chain_value(conv, step))}", turns,
+                           file_ids)
+        r = engine.generate(msgs, max_new_tokens=max_new_tokens if step else 1, reuse=True, tenant=tenant,
+                            edit_policy=arm)
+        if step:
+            out.append({"answer": r.text, "first_logits": r.first_logits, "lm_tokens_computed": r.lm_tokens_computed,
+                        "cached_tokens": r.usage.cached_tokens, "prompt_tokens": r.usage.prompt_tokens,
+                        "applied": r.edit.applied if r.edit else "recompute"})
+        last = turns[-1]
+        turns = turns[:-1] + [Turn(last.images, last.question, conv.item.answer), Turn((), last.question, None)]
+    return out
+
+
+def summarize_chain(chains: list[dict], arms: list[str], steps: int) -> dict:
+    """Per arm and step: agreement with the recompute arm's answer at that step, logit cosine
+    (mean, min), LM tokens, how often the arm's policy ran."""
+    out = {}
+    for a in arms:
+        per_step = []
+        for s in range(steps):
+            recs = [(c[a][s], c[REFERENCE][s]) for c in chains]
+            cos = [logit_cosine(x["first_logits"], ref["first_logits"]) for x, ref in recs]
+            per_step.append({
+                "step": s + 1,
+                "agreement": _rate(sum(normalize_answer(x["answer"]) == normalize_answer(ref["answer"])
+                                       for x, ref in recs), len(recs)),
+                "logit_cosine_mean": float(np.mean(cos)), "logit_cosine_min": float(np.min(cos)),
+                "lm_tokens_computed": float(np.mean([x["lm_tokens_computed"] for x, _ in recs])),
+                "applied": sum(x["applied"] == a for x, _ in recs),
+            })
+        out[a] = per_step
+    return out
+
+
 def summarize_errata(rows: list[dict], arms: list[str]) -> dict:
     out = {}
     for a in arms:
@@ -112,8 +157,10 @@ def summarize_errata(rows: list[dict], arms: list[str]) -> dict:
 
 def run_errata(model_dir: str | Path | None = None, set_dir: str | Path | None = None, ks: list[int] | None = None,
                limit: int | None = None, seed: int = 0, out: str | Path = "eval-errata", max_new_tokens: int = 6,
-               engine: Engine | None = None, progress: bool = True, seeds: int = 1) -> dict:
-    """`limit` items (default 90: 10 per type) x `seeds` conversation seeds, every arm."""
+               engine: Engine | None = None, progress: bool = True, seeds: int = 1, chain: int = 0) -> dict:
+    """`limit` items (default 90: 10 per type) x `seeds` conversation seeds, every arm; with
+    `chain` > 0 also each conversation as a loop of `chain` edits under recompute, in_place and
+    selective@K (`serve_chain`), each in its own tenant."""
     from tqdm import tqdm
 
     ks = list(ks or DEFAULT_KS)
@@ -125,7 +172,8 @@ def run_errata(model_dir: str | Path | None = None, set_dir: str | Path | None =
     convs = [build_errata(it, pool, s) for s in range(seed, seed + seeds) for it in balanced_subset(pool, limit or 90)]
     images = {p: Path(p).read_bytes() for c in convs for t in c.turns for p in t.images}
     file_ids = {p: engine.add_image(b) for p, b in images.items()}
-    t0, rows = time.perf_counter(), []
+    t0, rows, chains = time.perf_counter(), [], []
+    chain_arms = [REFERENCE, "in_place", *[f"selective@{k}" for k in ks]]
     for conv in tqdm(convs, desc="errata", unit="conv", disable=not progress):
         res = {}
         for arm in random.Random(f"{seed}-{conv.item.id}").sample(arms, len(arms)):
@@ -142,11 +190,22 @@ def run_errata(model_dir: str | Path | None = None, set_dir: str | Path | None =
         ref.pop("first_logits")
         rows.append({"id": conv.item.id, "seed": conv.seed, "type": conv.item.type, "label": conv.item.answer,
                      "field": conv.field, "format": conv.format, "old": conv.old, "new": conv.new, "arms": res})
+        if chain:
+            looped = {}
+            for arm in chain_arms:
+                tenant = f"errata-chain/{conv.seed}/{conv.item.id}/{arm}"
+                for t in conv.turns:
+                    for p in t.images:
+                        engine.add_image(images[p], tenant=tenant)
+                looped[arm] = serve_chain(engine, arm, conv, file_ids, tenant, chain, max_new_tokens)
+            chains.append(looped)
     report = {
         "task": "errata", **header(engine, model_dir, set_dir, seed, limit, max_new_tokens), "reference": REFERENCE,
         "seeds": list(range(seed, seed + seeds)), "n": len(rows), "arms": arms, "ks": ks,
         "wall_s": round(time.perf_counter() - t0, 2), "summary": summarize_errata(rows, arms), "requests": rows,
     }
+    if chain:
+        report["chain"] = {"steps": chain, "arms": chain_arms, "summary": summarize_chain(chains, chain_arms, chain)}
     from mmkv.vqa_eval.report import write_report_files
 
     write_report_files(report, out, errata_markdown(report))
@@ -174,4 +233,18 @@ def errata_markdown(report: dict) -> str:
     lines += ["", "The final question does not depend on the field: `stale` agreeing with `recompute` shows it, so "
               "agreement here says a policy keeps the recompute's answer, not that the model follows the update "
               "(`--task episodes`' `erratum_gate` asks that)."]
+    if "chain" in report:
+        c = report["chain"]
+        lines += ["", f"## Chained edits: {c['steps']} per conversation", "",
+                  "Each conversation as a loop: C, then each step a new value of the field and one more turn (the "
+                  "earlier answer, the final question again); `in_place` and `selective@K` edit the previous step's "
+                  "own (approximate) KV, so their errors can carry over. Agreement with `recompute` at the same step.",
+                  "", "| arm | step | agreement with recompute | logit cosine mean / min | LM tokens / req "
+                  "(recompute) | applied |", "|---|---|---|---|---|---|"]
+        ref = c["summary"][REFERENCE]
+        for a in c["arms"][1:]:
+            for e, r in zip(c["summary"][a], ref):
+                lines.append(f"| {a} | {e['step']} | {rate(e['agreement'])} | {e['logit_cosine_mean']:.4f} / "
+                             f"{e['logit_cosine_min']:.4f} | {e['lm_tokens_computed']:.1f} ({r['lm_tokens_computed']:.1f}) "
+                             f"| {e['applied']}/{e['agreement']['n']} |")
     return "\n".join(lines) + "\n"
