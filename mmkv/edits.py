@@ -39,7 +39,7 @@ import torch
 from mmkv.adapters import ImageFeatures
 from mmkv.errors import InvalidRequestError
 from mmkv.prefix_cache import read_blocks, write_blocks
-from mmkv.rerotate import constant_delta, place_layers, reposition_keys, rotation
+from mmkv.rerotate import constant_delta, place_rows, reposition_keys, rotation
 from mmkv.splice import pad_features, preallocate, prefill_spliced
 
 POLICY_NAMES = ("recompute", "erratum", "in_place", "selective")
@@ -419,12 +419,14 @@ def prefill_edited(adapter, store, plan, change: FieldChange, old_block_keys: li
     s_keys, s_values, s_pos = read_blocks(blocks, a + y, a + y + stale)
     new_pos = pos[:, a + x:a + x + stale] if rotate else s_pos
     shift = constant_delta(s_pos, new_pos)
-    turn = tuple(t.to(adapter.device) for t in rotation(shift, adapter.rope)) if shift and any(shift) else None
-    if shift is None or not place_layers(dst_keys, dst_values, a + x, s_keys, s_values, 0, stale, turn):
+    if shift is None:  # positions that do not move together (a length change moves all three axes alike)
         for lyr, kk, vv in zip(layers, s_keys, s_values):
             moved = reposition_keys(kk.to(adapter.device), s_pos, new_pos, adapter.rope)
             lyr.keys[0, :, a + x:a + x + stale].copy_(moved)
             lyr.values[0, :, a + x:a + x + stale].copy_(vv)
+    else:
+        place_rows(dst_keys, dst_values, a + x, s_keys, s_values, 0, stale,
+                   rotation(shift, adapter.rope) if any(shift) else None)
     chosen = _most_changed(adapter, layers, plan, a, x, stale, k, layer) if k else []
     result = prefill_spliced(adapter, ids, pos, plan.placements, seam, rotate=rotate, cache=cache, start=a + x + stale,
                              defer=defer, recompute=list(range(a, a + x)) + [a + x + j for j in chosen])

@@ -109,7 +109,8 @@ class KVPlacer:
         falls back to the exact path (recompute) and the report says why: a policy never turns an
         answerable request into an error."""
         recent = self.recent.of((tenant, salt))
-        if edit.name in ("in_place", "selective"):  # and this policy's own earlier turns, oldest first
+        approximate = edit.name in ("in_place", "selective")
+        if approximate:  # and this policy's own earlier turns, oldest first
             recent = sorted(recent + self.recent.of((tenant, approx_salt(salt, edit))), key=lambda p: p.seq)
         client = TokenView.of(plan.input_ids, plan.placements)
         change = detect_field_change(client, recent, self.template_tokens, self.edit_rules)
@@ -120,8 +121,7 @@ class KVPlacer:
         elif edit.name != "recompute":
             report = EditReport(str(edit), False)
         result = None
-        chain = self._continued_chain(client, recent) if change is None and edit.name in ("in_place", "selective") \
-            else None
+        chain = self._continued_chain(client, recent) if change is None and approximate else None
         if chain is not None:  # a later turn of a conversation this policy edited: stay on its KV
             result = self._prefill_prefix(plan, chain.salt, seam, policy)
             if self.settings.prefix_cache:

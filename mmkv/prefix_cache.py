@@ -25,7 +25,7 @@ import xxhash
 from mmkv.adapters import RopeLayout
 from mmkv.chunks import CachedChunk
 from mmkv.kv_store import KVStore
-from mmkv.rerotate import place_layers, rotate_into, rotation
+from mmkv.rerotate import place_rows, rotate_into, rotation
 
 BLOCK_TOKENS = 16
 REF_BYTES = 3 * 32 + 8 + 3 * 8  # a reference's fields: its, its parent's and its chunk's 32-digit keys, offset, shift
@@ -137,24 +137,12 @@ def block_runs(blocks: list, block: int) -> Iterator[tuple[int, int, PrefixBlock
 def _place_run(dst_keys: list, dst_values: list, at: int, run: PrefixBlock | ChunkRefBlock, first: int, stop: int) -> None:
     """Tokens [first, stop) of a run (counted from its first block's first token) into rows
     [at, ...) of every layer's destination ([kv_heads, L, D] or [1, kv_heads, L, D]): a reference's
-    keys turned by its shift (computed once), a copy's copied. One kernel call for all layers on
-    CPU float32, else layer by layer."""
+    keys turned by its shift (computed once), a copy's copied (`place_rows`)."""
     if isinstance(run, ChunkRefBlock):
-        src_k, src_v, first, stop, turn = run.chunk.keys, run.chunk.values, run.offset + first, run.offset + stop, run.turn()
+        place_rows(dst_keys, dst_values, at, run.chunk.keys, run.chunk.values, run.offset + first, run.offset + stop,
+                   run.turn())
     else:
-        src_k, src_v, turn = run.keys, run.values, None
-    if place_layers(dst_keys, dst_values, at, src_k, src_v, first, stop, turn):
-        return
-    n = stop - first
-    for dk, dv, sk, sv in zip(dst_keys, dst_values, src_k, src_v):
-        k = (dk[0] if dk.dim() == 4 else dk)[:, at:at + n]
-        v = (dv[0] if dv.dim() == 4 else dv)[:, at:at + n]
-        rows = sk[:, first:stop].to(k.device)
-        if turn:
-            rotate_into(k, rows, *turn)
-        else:
-            k.copy_(rows)
-        v.copy_(sv[:, first:stop])
+        place_rows(dst_keys, dst_values, at, run.keys, run.values, first, stop, None)
 
 
 def write_blocks(blocks: list, start: int, stop: int, dst_keys: list, dst_values: list, at: int) -> None:

@@ -213,6 +213,27 @@ def place_layers(dst_keys: list[torch.Tensor], dst_values: list[torch.Tensor], a
     return True
 
 
+def place_rows(dst_keys: list[torch.Tensor], dst_values: list[torch.Tensor], at: int,
+               src_keys: list[torch.Tensor], src_values: list[torch.Tensor], first: int, stop: int,
+               turn: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """`place_layers`, or where it cannot (another device or dtype, rows it cannot view) the same
+    layer by layer: source rows [first, stop) into destination rows [at, ...) of every layer
+    ([kv_heads, L, D] or [1, kv_heads, L, D]), keys turned by `turn` (copied when None), values
+    copied."""
+    if place_layers(dst_keys, dst_values, at, src_keys, src_values, first, stop, turn):
+        return
+    n = stop - first
+    for dk, dv, sk, sv in zip(dst_keys, dst_values, src_keys, src_values):
+        k = (dk[0] if dk.dim() == 4 else dk)[:, at:at + n]
+        v = (dv[0] if dv.dim() == 4 else dv)[:, at:at + n]
+        rows = sk[:, first:stop].to(k.device)
+        if turn is None:
+            k.copy_(rows)
+        else:
+            rotate_into(k, rows, *turn)
+        v.copy_(sv[:, first:stop])
+
+
 def reposition_keys(keys: torch.Tensor, from_pos: torch.Tensor, to_pos: torch.Tensor, rope: RopeLayout) -> torch.Tensor:
     """Keys [..., L, D] computed at position ids `from_pos` [3, L], as if computed at `to_pos` [3, L].
 

@@ -28,7 +28,7 @@ from transformers.cache_utils import DynamicLayer
 
 from mmkv.adapters import ImageFeatures, VLAdapter
 from mmkv.chunks import CachedChunk
-from mmkv.rerotate import constant_delta, place_layers, reposition_keys, rotate_into, rotation
+from mmkv.rerotate import constant_delta, place_rows, reposition_keys, rotation
 
 
 @dataclass
@@ -235,21 +235,14 @@ def place_chunk(layers: list[SlotLayer], p: Placement, first: int, stop: int, ro
     vector, applied straight into the slots."""
     src, dst = p.entry.position_ids[:, first:stop], p.target[:, first:stop]
     shift = constant_delta(src, dst) if rotate else (0, 0, 0)
-    turn = tuple(t.to(layers[0].device) for t in rotation(shift, rope)) if shift is not None and any(shift) else None
-    a, b = p.start + first, p.start + stop
-    if shift is not None and place_layers([x.keys for x in layers], [x.values for x in layers], a,
-                                          p.entry.keys, p.entry.values, first, stop, turn):
-        return  # (CPU float32: one fused call for every layer)
-    for layer, k, v in zip(layers, p.entry.keys, p.entry.values):
-        k, v = k[:, first:stop].to(layer.device), v[:, first:stop].to(layer.device)
-        slot_k = layer.keys[0, :, a:b]
-        if turn is not None:
-            rotate_into(slot_k, k, *turn)
-        elif shift is None:  # positions that do not move together (not produced by the policies)
-            slot_k.copy_(reposition_keys(k, src, dst, rope))
-        else:
-            slot_k.copy_(k)
-        layer.values[0, :, a:b].copy_(v)
+    a = p.start + first
+    if shift is None:  # positions that do not move together (not produced by the policies)
+        for layer, k, v in zip(layers, p.entry.keys, p.entry.values):
+            layer.keys[0, :, a:a + stop - first].copy_(reposition_keys(k[:, first:stop].to(layer.device), src, dst, rope))
+            layer.values[0, :, a:a + stop - first].copy_(v[:, first:stop])
+        return
+    place_rows([x.keys for x in layers], [x.values for x in layers], a, p.entry.keys, p.entry.values, first, stop,
+               rotation(shift, rope) if any(shift) else None)  # CPU float32: one fused call for every layer
 
 
 def _features(placements: list[Placement], ranges: list[tuple[int, int]]) -> ImageFeatures | None:

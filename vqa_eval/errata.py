@@ -75,6 +75,13 @@ def build_errata(item: VQAItem, pool: list[VQAItem], seed: int) -> ErrataConvers
     return ErrataConversation(item, seed, name, rng.choice(FORMATS), old, new, rng.choice(SYSTEM_PROMPTS), turns)
 
 
+def _add_images(engine: Engine, conv: ErrataConversation, images: dict[str, bytes], tenant: str) -> None:
+    """The conversation's images uploaded in `tenant` (an arm's own namespace)."""
+    for t in conv.turns:
+        for p in t.images:
+            engine.add_image(images[p], tenant=tenant)
+
+
 def serve(engine: Engine, arm: str, conv: ErrataConversation, file_ids: dict[str, str], tenant: str,
           max_new_tokens: int) -> dict:
     """C then N (or C twice for `stale`) under one arm; the second request is measured."""
@@ -178,9 +185,7 @@ def run_errata(model_dir: str | Path | None = None, set_dir: str | Path | None =
         res = {}
         for arm in random.Random(f"{seed}-{conv.item.id}").sample(arms, len(arms)):
             tenant = f"errata/{conv.seed}/{conv.item.id}/{arm}"  # each arm alone: its own caches
-            for t in conv.turns:
-                for p in t.images:
-                    engine.add_image(images[p], tenant=tenant)
+            _add_images(engine, conv, images, tenant)
             res[arm] = serve(engine, arm, conv, file_ids, tenant, max_new_tokens)
         ref = res[REFERENCE]
         for rec in res.values():
@@ -194,9 +199,7 @@ def run_errata(model_dir: str | Path | None = None, set_dir: str | Path | None =
             looped = {}
             for arm in chain_arms:
                 tenant = f"errata-chain/{conv.seed}/{conv.item.id}/{arm}"
-                for t in conv.turns:
-                    for p in t.images:
-                        engine.add_image(images[p], tenant=tenant)
+                _add_images(engine, conv, images, tenant)
                 looped[arm] = serve_chain(engine, arm, conv, file_ids, tenant, chain, max_new_tokens)
             for arm in chain_arms:  # the cosine now: a real model's logits are 0.6 MB a request
                 for rec, ref in zip(looped[arm], looped[REFERENCE]):
