@@ -22,6 +22,7 @@ machine; ``--steps N`` alone gives a fixed, seeded schedule. Runs on one CPU thr
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import random
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 
 from mmkv import tiny
+from mmkv.messages import erratum_line
 from mmkv.vqa_eval import dataset as D
 from mmkv.vqa_eval import episodes as E
 
@@ -208,11 +210,17 @@ def light_case(ep) -> tuple[bool, bool]:
     return g["asked"] == g["light"], g["value"] == g["required"]
 
 
-def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int,
-                 types: dict[str, float] | None = None, bias: float = 0.0, style: Style = Style(),
-                 light_focus: float = 0.0, field_weights: dict[str, float] | None = None):
-    """(messages, images, answers) of one episode (vqa_eval/episodes.py) whose asked type is drawn
-    from ``types`` (default :data:`TYPE_WEIGHTS`), after ``n_turns - 1`` earlier image Q/A turns.
+def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int, **kw):
+    """(messages, images, answers) of :func:`episode`."""
+    ep = episode(rng, level, easy_size, n_turns, **kw)
+    return ep.messages, ep.images, ep.answers
+
+
+def episode(rng: random.Random, level: float, easy_size: int, n_turns: int,
+            types: dict[str, float] | None = None, bias: float = 0.0, style: Style = Style(),
+            light_focus: float = 0.0, field_weights: dict[str, float] | None = None) -> E.Episode:
+    """One episode (vqa_eval/episodes.py) whose asked type is drawn from ``types`` (default
+    :data:`TYPE_WEIGHTS`), after ``n_turns - 1`` earlier image Q/A turns.
 
     ``bias`` in [0, 1] is the strength of the early answer skew (:data:`SKEW`) on the asked turn.
     ``light_focus``: the share of ``field_image_gate`` episodes redrawn until the field matches, the
@@ -242,7 +250,93 @@ def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int,
         scene = ep.scenes[-2:] if qtype == "same_color" else ep.scenes[-1] if ep.scenes else None
         if rng.random() < accept_probability(qtype, scene, q, ep.answer, bias, ep.gate):
             break
-    return ep.messages, ep.images, ep.answers
+    return ep
+
+
+# ----------------------------------------------------------------------------- minimal pairs
+
+
+def _text_parts(messages: list[dict]):
+    return [(i, j) for i, m in enumerate(messages) for j, part in enumerate(m["content"]) if part.get("type") == "text"]
+
+
+def _last_occurrence(messages: list[dict], needles: dict[str, str], before: tuple | None = None):
+    """((message, part, offset), needle, needles[needle]) of the last occurrence of any needle in the
+    messages' text parts, strictly before the ``before`` key when given; None if there is none."""
+    best = None
+    for i, j in _text_parts(messages):
+        text = messages[i]["content"][j]["text"]
+        for needle, value in needles.items():
+            k = text.find(needle)
+            while k >= 0:
+                key = (i, j, k)
+                if (before is None or key < before) and (best is None or key > best[0]):
+                    best = (key, needle, value)
+                k = text.find(needle, k + 1)
+    return best
+
+
+def _statement(target: str, value: str, form: int) -> str:
+    """The target field stated in one form: a field line in ``FIELD_FORMATS[form]``, or (form -1) an erratum."""
+    return erratum_line(target, value) if form < 0 else E.FIELD_FORMATS[form].format(f=target, v=value)
+
+
+def _statements(target: str, value: str | None = None, forms=range(-1, len(E.FIELD_FORMATS))) -> dict[str, tuple]:
+    """Every statement of the target field (of ``value`` only, when given) -> (value, form)."""
+    return {_statement(target, v, f): (v, f) for v in E.FIELDS[target] if value in (None, v) for f in forms}
+
+
+def _swap(ep: E.Episode, key: tuple, old: str, new: str, answer: str, **gate: str) -> E.Episode:
+    i, j, k = key
+    messages = copy.deepcopy(ep.messages)
+    text = messages[i]["content"][j]["text"]
+    assert text[k:k + len(old)] == old
+    messages[i]["content"][j]["text"] = text[:k] + new + text[k + len(old):]
+    messages[-1]["content"] = [{"type": "text", "text": answer}]
+    return E.Episode(ep.type, messages, ep.images, ep.scenes, ep.answers[:-1] + [answer], {**ep.gate, **gate})
+
+
+def twin(ep: E.Episode, rng: random.Random) -> E.Episode | None:
+    """The same text-gate episode with one value changed so that its last answer flips: a minimal pair
+    whose only difference is what decides the answer (``--contrast``). ``field_gate``: the field line's
+    value; ``erratum_gate``: the last erratum's value (never to the value it overrides, so it still
+    changes something); ``field_image_gate``: the field's value or the asked light colour, a half that
+    holds when the other does. Earlier answers stay right (only the asked turn's deciding value moves).
+    None where one change cannot flip the answer (a ``field_image_gate`` with both halves failing; an
+    ``erratum_gate`` whose overridden value is the needed one and whose final value is not)."""
+    g = ep.gate
+    if ep.type not in E.TEXT_TYPES or not g:
+        return None
+    target, required, value = g["field"], g["required"], g["value"]
+    others = [v for v in E.FIELDS[target] if v != required]
+
+    def flip_field():
+        """The field's current value moved across the needed one: the field line's, or the last erratum's."""
+        forms = [-1] if ep.type == "erratum_gate" else range(len(E.FIELD_FORMATS))
+        key, _, (_, form) = _last_occurrence(ep.messages, _statements(target, value, forms))
+        prev = None
+        if ep.type == "erratum_gate":  # the value that erratum overrides
+            prev = _last_occurrence(ep.messages, _statements(target), before=key)[2][0]
+        choices = [v for v in (others if value == required else [required]) if v != prev]
+        if not choices:
+            return None
+        new = rng.choice(choices)  # (a field_image_gate's field is moved only while its light matches)
+        return _swap(ep, key, _statement(target, value, form), _statement(target, new, form),
+                     "refund" if new == required else "escalate", value=new)
+
+    if ep.type in ("field_gate", "erratum_gate"):
+        return flip_field()
+    color_ok, field_ok = g["asked"] == g["light"], value == required
+    options = (["color"] if field_ok else []) + (["field"] if color_ok else [])
+    if not options:
+        return None
+    if rng.choice(options) == "field":
+        return flip_field()
+    asked = rng.choice([c for c in D.COLORS if c != g["light"]]) if color_ok else g["light"]
+    old = f"status light is {g['asked']} and"
+    key = _last_occurrence(ep.messages, {old: g["asked"]})[0]
+    return _swap(ep, key, old, f"status light is {asked} and", "refund" if asked == g["light"] else "escalate",
+                 asked=asked)
 
 
 def find_subseq(seq: list[int], pat: list[int]) -> list[int]:
@@ -277,7 +371,9 @@ class Batcher:
     def batch(self, rng: random.Random, size: int, level: float, max_turns: int = 4, bias: float = 0.0,
               types: dict[str, float] | None = None, style: Style = Style(),
               turn_weights: dict[int, float] | None = None, light_focus: float = 0.0,
-              field_weights: dict[str, float] | None = None):
+              field_weights: dict[str, float] | None = None, contrast: float = 0.0):
+        """``size`` conversations; with ``contrast`` > 0 that share of the text-gate ones is followed
+        in the batch by its :func:`twin` (the answer flipped by one value), as long as room is left."""
         texts, images = [], []
         tw = TURN_WEIGHTS if turn_weights is None else turn_weights
         turns = [n for n in tw if n <= max_turns and tw[n] > 0]
@@ -290,11 +386,15 @@ class Batcher:
                 types, n_turns = long, min(n_turns, 2)
             else:
                 types = {t: w for t, w in types.items() if t not in LONG_TYPES}
-        for _ in range(size):
-            msgs, imgs, _ = conversation(rng, level, self.easy_size, n_turns, types=types, bias=bias, style=style,
-                                         light_focus=light_focus, field_weights=field_weights)
-            texts.append(self.proc.apply_chat_template(msgs, tokenize=False))
-            images.extend(imgs)
+        while len(texts) < size:
+            ep = episode(rng, level, self.easy_size, n_turns, types=types, bias=bias, style=style,
+                         light_focus=light_focus, field_weights=field_weights)
+            pair = [ep]
+            if contrast > 0 and ep.type in E.TEXT_TYPES and len(texts) + 1 < size and rng.random() < contrast:
+                pair += [t for t in [twin(ep, rng)] if t is not None]
+            for e in pair:
+                texts.append(self.proc.apply_chat_template(e.messages, tokenize=False))
+                images.extend(e.images)
         enc = self.proc(text=texts, images=images or None, return_tensors="pt", padding=True)  # (a text-only batch)
         enc["labels"] = self.labels_for(enc["input_ids"])
         return enc
@@ -416,6 +516,9 @@ def main(argv=None) -> None:
     ap.add_argument("--field-weight", action="append", default=[], metavar="FIELD=W",
                     help="relative odds of a field being the one a text episode asks about (default 1 each; "
                          "episodes.FIELDS); repeatable")
+    ap.add_argument("--contrast", type=float, default=0.0,
+                    help="share of text-gate episodes followed in their batch by their minimal pair (twin: the "
+                         "same episode with the deciding value changed and the answer flipped)")
     ap.add_argument("--best", default=None,
                     help="also save to this dir whenever the validation mean (over trained types and the "
                          "held-out style) is at least the best so far: weights chosen on validation only")
@@ -445,6 +548,8 @@ def main(argv=None) -> None:
         field_weights[name] = w
     if not 0 <= args.light_focus <= 1:
         ap.error("--light-focus is a share in [0, 1]")
+    if not 0 <= args.contrast <= 1:
+        ap.error("--contrast is a share in [0, 1]")
     if not any(turn_weights.values()):
         ap.error("--turn-weight: at least one conversation length needs a weight above 0")
     torch.set_num_threads(args.threads)
@@ -515,7 +620,7 @@ def main(argv=None) -> None:
                 "earlier_runs": earlier,
                 "total_steps": step + sum(r.get("steps") or 0 for r in earlier),
                 "total_elapsed_s": round(time.time() - t0 + sum(r.get("elapsed_s") or 0 for r in earlier), 1),
-                "style_p": args.style_p, "jpeg": args.jpeg, "light_focus": args.light_focus, "field_weights": field_weights, "word_tokens": args.word_tokens, "best": best,
+                "style_p": args.style_p, "jpeg": args.jpeg, "light_focus": args.light_focus, "field_weights": field_weights, "contrast": args.contrast, "word_tokens": args.word_tokens, "best": best,
                 "history": history[-50:]}
 
     def evaluate() -> None:
@@ -541,7 +646,7 @@ def main(argv=None) -> None:
         types = warm_types if p < args.warm_until else weights
         batch = batcher.batch(rng, args.batch, level, max_turns=1 if p < args.single_until else 4, bias=bias,
                               types=types, style=style, turn_weights=turn_weights, light_focus=args.light_focus,
-                              field_weights=field_weights)
+                              field_weights=field_weights, contrast=args.contrast)
         loss = model(**batch.to(args.device)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -436,3 +436,76 @@ def test_word_tokens_make_each_field_value_one_token_in_every_format():
     assert train.add_word_tokens(model, tok) == 0
     out = model(input_ids=torch.tensor([tok.encode("tier = gold", add_special_tokens=False)]))
     assert out.logits.shape[-1] == len(tok)
+
+
+def _prompt_text(ep) -> str:
+    return "\n".join(p["text"] for m in ep.prompt_messages() for p in m["content"] if p.get("type") == "text")
+
+
+def _stated_values(ep) -> list[str]:
+    """The target field's values in the order the prompt states them (field lines, then errata)."""
+    target, text = ep.gate["field"], _prompt_text(ep)
+    stated = [(m.start(), m.group(1)) for pat in (rf'"?{target}"?\s*[:=]\s*"?(\w+)', rf"{target} has just changed to (\w+);")
+              for m in re.finditer(pat, text)]
+    return [v for _, v in sorted(stated)]
+
+
+def _read_gate(ep) -> str:
+    """A text gate's answer read back from the episode's own text (and the light's colour from its
+    scene), independently of how it was built: the policy's needed value, the field's last statement
+    (field line or erratum), the asked light colour."""
+    target, text = ep.gate["field"], _prompt_text(ep)
+    required = re.findall(rf"(?:{E.PHRASE[target]}|{target}) is (\w+) \. otherwise", text)[-1]
+    ok = _stated_values(ep)[-1] == required
+    if ep.type == "field_image_gate":
+        light = next(o.color for o in ep.scenes[-1].objects if o.role == "light")
+        ok = ok and re.search(r"status light is (\w+) and", text).group(1) == light
+    return "refund" if ok else "escalate"
+
+
+def test_contrast_twins_flip_the_answer_by_one_value():
+    """`train.py --contrast`: a text gate's twin differs from it in one word of one prompt message (the
+    field line's value, the last erratum's value, or the asked light colour) and in the last answer,
+    which flips; both answers agree with the rule read back from the text; an erratum is never changed
+    to the value it overrides; earlier answers are kept. Twins exist for most episodes of each type."""
+    train = _train_module()
+    made = {t: 0 for t in E.TEXT_TYPES}
+    for qtype in E.TEXT_TYPES:
+        for i in range(120):
+            rng = random.Random(f"twin-{qtype}-{i}")
+            ep = train.episode(rng, 1.0, 56, 1 + i % 3, types={qtype: 1.0})
+            tw = train.twin(ep, rng)
+            if tw is None:
+                continue
+            made[qtype] += 1
+            assert _read_gate(ep) == ep.answer and _read_gate(tw) == tw.answer != ep.answer
+            assert tw.answers[:-1] == ep.answers[:-1] and tw.images is ep.images
+            changed = [(a, b) for a, b in zip(ep.prompt_messages(), tw.prompt_messages()) if a != b]
+            assert len(changed) == 1
+            words = [(x, y) for x, y in zip(*(re.findall(r"\w+", m["content"][-1]["text"]) for m in changed[0])) if x != y]
+            assert len(words) == 1
+            if qtype == "erratum_gate":  # the last erratum changed, and still to another value than the one before it
+                assert _stated_values(tw)[:-1] == _stated_values(ep)[:-1]
+                assert _stated_values(tw)[-1] != _stated_values(tw)[-2]
+    assert min(made.values()) >= 80, made
+
+
+def test_contrast_batch_holds_each_text_gate_next_to_its_twin():
+    """`--contrast 1`: a batch of text gates comes in pairs whose labelled answers differ; 0 draws no twin."""
+    from transformers import AutoProcessor
+
+    train = _train_module()
+    processor = AutoProcessor.from_pretrained(ROOT / "samples" / "models" / "qwen2_5_vl-tiny", local_files_only=True)
+    batcher = train.Batcher(processor, "qwen2_5_vl")
+
+    def answers(contrast: float) -> list[str]:
+        batch = batcher.batch(random.Random(4), 6, 1.0, max_turns=1, types={"field_gate": 1.0}, contrast=contrast)
+        return [processor.tokenizer.decode([t for t in row if t >= 0]).replace("<|im_end|>", "") for row in batch["labels"].tolist()]
+
+    paired = answers(1.0)
+    assert all(paired[k] != paired[k + 1] for k in (0, 2, 4)), paired
+    plain_rng, batch_rng = random.Random(4), random.Random(4)
+    batcher.batch(batch_rng, 6, 1.0, max_turns=1, types={"field_gate": 1.0})
+    for _ in range(6):
+        train.episode(plain_rng, 1.0, batcher.easy_size, 1, types={"field_gate": 1.0})
+    assert plain_rng.random() == batch_rng.random()  # (contrast 0 leaves the data stream as before)
