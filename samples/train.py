@@ -260,7 +260,7 @@ def _text_parts(messages: list[dict]):
     return [(i, j) for i, m in enumerate(messages) for j, part in enumerate(m["content"]) if part.get("type") == "text"]
 
 
-def _last_occurrence(messages: list[dict], needles: dict[str, str], before: tuple | None = None):
+def _last_occurrence(messages: list[dict], needles: dict[str, object], before: tuple | None = None):
     """((message, part, offset), needle, needles[needle]) of the last occurrence of any needle in the
     messages' text parts, strictly before the ``before`` key when given; None if there is none."""
     best = None
@@ -287,6 +287,7 @@ def _statements(target: str, value: str | None = None, forms=range(-1, len(E.FIE
 
 
 def _swap(ep: E.Episode, key: tuple, old: str, new: str, answer: str, **gate: str) -> E.Episode:
+    """A copy of ``ep`` with ``old`` at ``key`` replaced by ``new``, the last answer ``answer``, ``gate`` updated."""
     i, j, k = key
     messages = copy.deepcopy(ep.messages)
     text = messages[i]["content"][j]["text"]
