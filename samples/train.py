@@ -327,7 +327,7 @@ def twin(ep: E.Episode, rng: random.Random) -> E.Episode | None:
 
     if ep.type in ("field_gate", "erratum_gate"):
         return flip_field()
-    color_ok, field_ok = g["asked"] == g["light"], value == required
+    color_ok, field_ok = light_case(ep)
     options = (["color"] if field_ok else []) + (["field"] if color_ok else [])
     if not options:
         return None

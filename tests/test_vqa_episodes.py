@@ -498,11 +498,8 @@ def test_contrast_batch_holds_each_text_gate_next_to_its_twin():
     processor = AutoProcessor.from_pretrained(ROOT / "samples" / "models" / "qwen2_5_vl-tiny", local_files_only=True)
     batcher = train.Batcher(processor, "qwen2_5_vl")
 
-    def answers(contrast: float) -> list[str]:
-        batch = batcher.batch(random.Random(4), 6, 1.0, max_turns=1, types={"field_gate": 1.0}, contrast=contrast)
-        return [processor.tokenizer.decode([t for t in row if t >= 0]).replace("<|im_end|>", "") for row in batch["labels"].tolist()]
-
-    paired = answers(1.0)
+    batch = batcher.batch(random.Random(4), 6, 1.0, max_turns=1, types={"field_gate": 1.0}, contrast=1.0)
+    paired = [processor.tokenizer.decode([t for t in row if t >= 0]).replace("<|im_end|>", "") for row in batch["labels"].tolist()]
     assert all(paired[k] != paired[k + 1] for k in (0, 2, 4)), paired
     plain_rng, batch_rng = random.Random(4), random.Random(4)
     batcher.batch(batch_rng, 6, 1.0, max_turns=1, types={"field_gate": 1.0})
