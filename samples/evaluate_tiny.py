@@ -165,11 +165,18 @@ def evaluate_extra(model_dir: Path, heldout: dict[str, list[VQAItem]], episodes:
             out["episodes"][t] = {"n": len(group), "category": E.CATEGORY[t],
                                   "accuracy": sum(g == ep.answer for g, ep in zip(got, group)) / len(group),
                                   "predictions": {ep.id: g for g, ep in zip(got, group)}}
+            cases: dict[str, list[bool]] = {}
+            for g, ep in zip(got, group):
+                if (name := E.case_name(ep)) is not None:
+                    cases.setdefault(name, []).append(g == ep.answer)
+            if cases:  # field_image_gate: which half of the conjunction the misses sit on
+                out["episodes"][t]["cases"] = {c: {"n": len(h), "accuracy": sum(h) / len(h)} for c, h in sorted(cases.items())}
     return out
 
 
 def markdown_extra(results: list[dict], splits: list[str]) -> str:
-    """One row per (split, type): `splits` names the held-out splits scored, then "episodes"."""
+    """One row per (split, type): `splits` names the held-out splits scored, then "episodes"; a type
+    scored per case (``field_image_gate``: which halves of its conjunction hold) adds a row per case."""
     lines = ["| split | type | category | n | " + " | ".join(f"{r['model']} acc" for r in results) + " |",
              "|" + "---|" * (4 + len(results))]
     for split in splits:
@@ -177,6 +184,9 @@ def markdown_extra(results: list[dict], splits: list[str]) -> str:
             cat = v.get("category") or next(c for c, ts in CATEGORIES.items() if t in ts)
             lines.append(f"| {split} | {t} | {cat} | {v['n']} | "
                          + " | ".join(f"{r[split][t]['accuracy']:.3f}" for r in results) + " |")
+            for c, cv in v.get("cases", {}).items():  # the same items again, split by case
+                lines.append(f"| {split} | {t}: {c} | {cat} | {cv['n']} | "
+                             + " | ".join(f"{r[split][t]['cases'][c]['accuracy']:.3f}" for r in results) + " |")
     return "\n".join(lines)
 
 

@@ -204,12 +204,6 @@ class Style:
         return draw
 
 
-def light_case(ep) -> tuple[bool, bool]:
-    """A ``field_image_gate`` episode's (light matches the asked colour, field matches the needed value)."""
-    g = ep.gate
-    return g["asked"] == g["light"], g["value"] == g["required"]
-
-
 def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int, **kw):
     """(messages, images, answers) of :func:`episode`."""
     ep = episode(rng, level, easy_size, n_turns, **kw)
@@ -238,7 +232,7 @@ def episode(rng: random.Random, level: float, easy_size: int, n_turns: int,
     while True:
         ep = E.build(rng, qtype, level=level, easy_size=easy_size, draw=style.drawer(), before=n_turns - 1,
                      filler_types=singles)
-        if want_light is not None and light_case(ep) != (want_light, True):
+        if want_light is not None and E.light_case(ep) != (want_light, True):
             continue
         if field_weights and "field" in ep.gate:  # (no draw when kept for sure: even weights leave the stream as before)
             keep = field_weights.get(ep.gate["field"], 1.0) / max(field_weights.values())
@@ -327,7 +321,7 @@ def twin(ep: E.Episode, rng: random.Random) -> E.Episode | None:
 
     if ep.type in ("field_gate", "erratum_gate"):
         return flip_field()
-    color_ok, field_ok = light_case(ep)
+    color_ok, field_ok = E.light_case(ep)
     options = (["color"] if field_ok else []) + (["field"] if color_ok else [])
     if not options:
         return None

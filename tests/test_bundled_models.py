@@ -257,6 +257,14 @@ def test_accuracy_command_reports_control_per_type(tmp_path):
         assert f"| {split} | count |" in res.stdout
     assert r["shuffle_rounds"] == 2 and len(r["shuffled_predictions"]) == 2
     ev = _evaluate_tiny()
+    fig = r["episodes"]["field_image_gate"]  # split by which halves of the conjunction hold
+    eps = {ep.id: ep for ep in ev.E.load_split(ev.EPISODES) if ep.id in fig["predictions"]}
+    for case, v in fig["cases"].items():
+        ids = [k for k, ep in eps.items() if ev.E.case_name(ep) == case]
+        assert v["n"] == len(ids) and v["accuracy"] == pytest.approx(
+            sum(fig["predictions"][k] == eps[k].answer for k in ids) / len(ids))
+        assert f"| episodes | field_image_gate: {case} | text_field | {len(ids)} |" in res.stdout
+    assert sum(v["n"] for v in fig["cases"].values()) == fig["n"] == 2
     truth = {json.loads(line)["id"]: json.loads(line) for line in (ROOT / "samples" / "vqa" / "items.jsonl").open()}
     for t, v in r["types"].items():
         # the table's numbers follow from the answers it reports

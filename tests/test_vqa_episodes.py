@@ -249,6 +249,15 @@ def test_committed_episode_split_regenerates(tmp_path):
         assert _solve(r["type"], r["messages"], r["scenes"]) == r["answer"], r["id"]
     eps = E.load_split(EPISODES)
     assert len(eps) == len(committed) and all(len(ep.images) == len(committed[ep.id]["scenes"]) for ep in eps)
+    cases = {}
+    for ep in eps:  # text gates keep their record, and it decides the answer
+        assert bool(ep.gate) == (ep.type in E.TEXT_TYPES), ep.id
+        if ep.gate:
+            ok = E.light_case(ep) == (True, True) if ep.type == "field_image_gate" else ep.gate["value"] == ep.gate["required"]
+            assert ep.answer == ("refund" if ok else "escalate"), ep.id
+        if (c := E.case_name(ep)) is not None:
+            cases[c] = cases.get(c, 0) + 1
+    assert sum(cases.values()) == meta["per_type"] and set(cases) == {"light+field", "light only", "field only", "neither"}
 
 
 @pytest.mark.parametrize("split,style", [(HELDOUT, "shadow"), (HELDOUT_DARK, "dark")])
@@ -364,7 +373,7 @@ def test_light_focus_makes_the_light_decide_field_image_gates(monkeypatch):
         for _ in range(80):
             built.clear()
             _, _, answers = train.conversation(rng, 1.0, 56, 1, types={"field_image_gate": 1.0}, light_focus=focus)
-            light_ok, field_ok = train.light_case(built[-1])
+            light_ok, field_ok = E.light_case(built[-1])
             assert answers[-1] == ("refund" if light_ok and field_ok else "escalate")
             out.append((light_ok, field_ok))
         return out

@@ -134,6 +134,21 @@ class _Chat:
         return Episode(qtype, self.ep_msgs, self.images, self.scenes, self.answers, gate)
 
 
+def light_case(ep: Episode) -> tuple[bool, bool]:
+    """A ``field_image_gate`` episode's (light matches the asked colour, field matches the needed value)."""
+    g = ep.gate
+    return g["asked"] == g["light"], g["value"] == g["required"]
+
+
+def case_name(ep: Episode) -> str | None:
+    """The ``field_image_gate`` case an episode tests (``light+field``, ``light only``, ``field only``,
+    ``neither``: which halves of the conjunction hold); None for other types or without a gate record."""
+    if ep.type != "field_image_gate" or not ep.gate:
+        return None
+    light, fld = light_case(ep)
+    return "light+field" if light and fld else "light only" if light else "field only" if fld else "neither"
+
+
 def _field_block(rng: random.Random, target: str, value: str) -> str:
     """The target field line among 0-2 other fields, one format for the block."""
     fmt = rng.choice(FIELD_FORMATS)
@@ -367,7 +382,8 @@ def write_split(out, seed: int, per_type: int) -> list[dict]:
                 parts = [{"type": "image", "image": next(it)} if p["type"] == "image" else p for p in m["content"]]
                 msgs.append({"role": m["role"], "content": parts})
             rows.append({"id": eid, "type": qtype, "category": CATEGORY[qtype], "messages": msgs,
-                         "answer": ep.answer, "scenes": [s.to_json() for s in ep.scenes]})
+                         "answer": ep.answer, "scenes": [s.to_json() for s in ep.scenes],
+                         **({"gate": ep.gate} if ep.gate else {})})
     with open(out / "episodes.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r, sort_keys=True) + "\n")
@@ -378,7 +394,8 @@ def write_split(out, seed: int, per_type: int) -> list[dict]:
 
 
 def load_split(path) -> list[Episode]:
-    """The committed episodes (images loaded as RGB), each ending with its asked question's answer."""
+    """The committed episodes (images loaded as RGB), each ending with its asked question's answer
+    (text gates keep their ``gate`` record)."""
     import json
     from pathlib import Path
 
@@ -401,7 +418,7 @@ def load_split(path) -> list[Episode]:
                     parts.append(part)
             msgs.append({"role": m["role"], "content": parts})
         msgs.append({"role": "assistant", "content": [{"type": "text", "text": r["answer"]}]})
-        eps.append(Episode(r["type"], msgs, images, [], [r["answer"]], id=r["id"]))
+        eps.append(Episode(r["type"], msgs, images, [], [r["answer"]], r.get("gate", {}), id=r["id"]))
     return eps
 
 
