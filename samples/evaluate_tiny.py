@@ -162,13 +162,13 @@ def evaluate_extra(model_dir: Path, heldout: dict[str, list[VQAItem]], episodes:
         group = [ep for ep in episodes if ep.type == t]
         if group:
             got = [E.ask(model, processor, ep) for ep in group]
-            out["episodes"][t] = {"n": len(group), "category": E.CATEGORY[t],
-                                  "accuracy": sum(g == ep.answer for g, ep in zip(got, group)) / len(group),
+            hits = [g == ep.answer for g, ep in zip(got, group)]
+            out["episodes"][t] = {"n": len(group), "category": E.CATEGORY[t], "accuracy": sum(hits) / len(group),
                                   "predictions": {ep.id: g for g, ep in zip(got, group)}}
             cases: dict[str, list[bool]] = {}
-            for g, ep in zip(got, group):
+            for hit, ep in zip(hits, group):
                 if (name := E.case_name(ep)) is not None:
-                    cases.setdefault(name, []).append(g == ep.answer)
+                    cases.setdefault(name, []).append(hit)
             if cases:  # field_image_gate: which half of the conjunction the misses sit on
                 out["episodes"][t]["cases"] = {c: {"n": len(h), "accuracy": sum(h) / len(h)} for c, h in sorted(cases.items())}
     return out
