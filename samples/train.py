@@ -363,6 +363,21 @@ class Batcher:
                 labels[b, s:e + 1] = ids[b, s:e + 1]  # answer tokens and the closing <|im_end|>
         return labels
 
+    def decide_mask(self, labels: torch.Tensor) -> torch.Tensor:
+        """True on the answer tokens of each row's last assistant turn (not its ``<|im_end|>``): the
+        tokens that answer the question the episode is about; earlier turns only set the context."""
+        mask = torch.zeros_like(labels, dtype=torch.bool)
+        for b in range(labels.shape[0]):
+            row = labels[b].tolist()
+            e = len(row) - 1
+            while e >= 0 and row[e] == IGNORE:
+                e -= 1
+            s = e  # e: the last labelled token, the closing <|im_end|>
+            while s > 0 and row[s - 1] != IGNORE:
+                s -= 1
+            mask[b, s:e] = True
+        return mask
+
     def batch(self, rng: random.Random, size: int, level: float, max_turns: int = 4, bias: float = 0.0,
               types: dict[str, float] | None = None, style: Style = Style(),
               turn_weights: dict[int, float] | None = None, light_focus: float = 0.0,
@@ -393,6 +408,22 @@ class Batcher:
         enc = self.proc(text=texts, images=images or None, return_tensors="pt", padding=True)  # (a text-only batch)
         enc["labels"] = self.labels_for(enc["input_ids"])
         return enc
+
+
+def weighted_loss(model, batch, batcher: Batcher, decide_weight: float = 1.0) -> torch.Tensor:
+    """Next-token cross-entropy over the labelled tokens; with ``decide_weight`` != 1 the last turn's
+    answer tokens weigh that much against 1 for the rest (a weighted mean, so 1 is the model's own loss)."""
+    if decide_weight == 1.0:
+        return model(**batch).loss
+    labels = batch["labels"]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits[:, :-1].float()
+    target = labels[:, 1:]
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                           ignore_index=IGNORE, reduction="none").view_as(target)
+    w = (target != IGNORE).float()
+    w = w + (decide_weight - 1.0) * batcher.decide_mask(labels)[:, 1:].to(w.device).float()
+    return (ce * w).sum() / w.sum().clamp(min=1.0)
 
 
 # ----------------------------------------------------------------------------- quick eval
@@ -514,6 +545,9 @@ def main(argv=None) -> None:
     ap.add_argument("--contrast", type=float, default=0.0,
                     help="share of text-gate episodes followed in their batch by their minimal pair (twin: the "
                          "same episode with the deciding value changed and the answer flipped)")
+    ap.add_argument("--decide-weight", type=float, default=1.0,
+                    help="loss weight of the last turn's answer tokens (decide_mask) against 1 for the earlier "
+                         "answers and every <|im_end|>; 1 is the plain token mean")
     ap.add_argument("--best", default=None,
                     help="also save to this dir whenever the validation mean (over trained types and the "
                          "held-out style) is at least the best so far: weights chosen on validation only")
@@ -615,7 +649,7 @@ def main(argv=None) -> None:
                 "earlier_runs": earlier,
                 "total_steps": step + sum(r.get("steps") or 0 for r in earlier),
                 "total_elapsed_s": round(time.time() - t0 + sum(r.get("elapsed_s") or 0 for r in earlier), 1),
-                "style_p": args.style_p, "jpeg": args.jpeg, "light_focus": args.light_focus, "field_weights": field_weights, "contrast": args.contrast, "word_tokens": args.word_tokens, "best": best,
+                "style_p": args.style_p, "jpeg": args.jpeg, "light_focus": args.light_focus, "field_weights": field_weights, "contrast": args.contrast, "word_tokens": args.word_tokens, "decide_weight": args.decide_weight, "best": best,
                 "history": history[-50:]}
 
     def evaluate() -> None:
@@ -642,7 +676,7 @@ def main(argv=None) -> None:
         batch = batcher.batch(rng, args.batch, level, max_turns=1 if p < args.single_until else 4, bias=bias,
                               types=types, style=style, turn_weights=turn_weights, light_focus=args.light_focus,
                               field_weights=field_weights, contrast=args.contrast)
-        loss = model(**batch.to(args.device)).loss
+        loss = weighted_loss(model, batch.to(args.device), batcher, args.decide_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

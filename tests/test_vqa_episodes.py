@@ -515,3 +515,36 @@ def test_contrast_batch_holds_each_text_gate_next_to_its_twin():
     for _ in range(6):
         train.episode(plain_rng, 1.0, batcher.easy_size, 1, types={"field_gate": 1.0})
     assert plain_rng.random() == batch_rng.random()  # (contrast 0 leaves the data stream as before)
+
+
+def test_decide_weight_reweights_the_last_answer_against_transformers_own_loss():
+    """`--decide-weight W`: the loss is the weighted mean of transformers' own token losses, the last
+    turn's answer tokens (not their <|im_end|>) weighing W; W = 1 is the model's own loss."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    train = _train_module()
+    d = ROOT / "samples" / "models" / "qwen2_5_vl-tiny"
+    processor = AutoProcessor.from_pretrained(d, local_files_only=True)
+    model = AutoModelForImageTextToText.from_pretrained(d, local_files_only=True).eval()
+    batcher = train.Batcher(processor, "qwen2_5_vl")
+    batch = batcher.batch(random.Random(3), 3, 1.0, max_turns=2, types={"color": 1.0, "field_gate": 1.0},
+                          turn_weights={2: 1.0})
+    labels = batch["labels"]
+    mask = batcher.decide_mask(labels)
+    tok = processor.tokenizer
+    for b in range(labels.shape[0]):  # the mask is the last answer, the labels hold more than it
+        last = tok.decode(labels[b][mask[b]].tolist())
+        assert last and "<|im_end|>" not in last
+        assert int((labels[b] != train.IGNORE).sum()) > int(mask[b].sum()) + 1
+    with torch.no_grad():
+        def own(keep):
+            lab = torch.where(keep, labels, torch.full_like(labels, train.IGNORE))
+            n = int((lab[:, 1:] != train.IGNORE).sum())
+            return float(model(**{**batch, "labels": lab}).loss), n
+        l_d, n_d = own(mask)
+        l_o, n_o = own(~mask & (labels != train.IGNORE))
+        for w in (1.0, 1.0 + 1e-9, 4.0):
+            got = float(train.weighted_loss(model, batch, batcher, w))
+            want = (n_o * l_o + w * n_d * l_d) / (n_o + w * n_d)
+            assert abs(got - want) < 1e-4 * max(1.0, want), (w, got, want)
