@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from mmkv.vqa_eval import dataset as D  # noqa: E402
 from mmkv.vqa_eval import episodes as E  # noqa: E402
 from mmkv.vqa_eval.dataset import ANSWERS, CATEGORIES, TYPES, VQAItem, load_vqa_set  # noqa: E402
+from mmkv.vqa_eval.stats import mcnemar_exact  # noqa: E402
 
 MODELS = [ROOT / "samples" / "models" / n for n in ("qwen2_5_vl-tiny", "qwen3_vl-tiny", "qwen2_5_vl-proxy")]
 SET = ROOT / "samples" / "vqa"
@@ -226,6 +227,30 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def paired(names: list[str], hits: list[dict[str, list[bool]]]) -> str:
+    """Markdown table: each checkpoint after the first against the first, item by item on the same
+    items: hits of each, the items now right and now wrong, and the exact McNemar p of the change.
+    A ``text gates`` row pools the three text gates (the rule that chooses a bundle)."""
+    pooled = [{**h, "text gates": [x for t in E.TEXT_TYPES if t in h for x in h[t]]} for h in hits]
+    lines = ["| type | n | " + names[0] + " | checkpoint | hits | now right | now wrong | McNemar p |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, h in zip(names[1:], pooled[1:]):
+        for t, a in pooled[0].items():
+            if not a or t not in h:
+                continue
+            m = mcnemar_exact(a, h[t])  # only_a: right before, wrong now
+            lines.append(f"| {t} | {len(a)} | {sum(a)} | {name} | {sum(h[t])} | {m['only_b']} | {m['only_a']} | {m['p']:.2f} |")
+    return "\n".join(lines)
+
+
+def episode_hits(result: dict, episodes: list) -> dict[str, list[bool]]:
+    """Per committed episode type, the hits of one :func:`evaluate_extra` result, in split order."""
+    out = {}
+    for t, v in result.get("episodes", {}).items():
+        out[t] = [v["predictions"][ep.id] == ep.answer for ep in episodes if ep.type == t]
+    return out
+
+
 RESERVED_PREFIXES = ("train", "val", "valh", "vqa")  # seed prefixes of training, the monitor and the eval tasks
 
 
@@ -262,9 +287,11 @@ def validate(dirs: list[Path], n: int, prefix: str = "sel", types: list[str] | N
     hits = []
     for d in dirs:
         model, processor = load(d)
-        hits.append({t: sum(E.ask(model, processor, ep) == ep.answer for ep in group) for t, group in eps.items()})
+        hits.append({t: [E.ask(model, processor, ep) == ep.answer for ep in group] for t, group in eps.items()})
     lines = ["| type | n | " + " | ".join(d.name for d in dirs) + " |", "|---|---|" + "---|" * len(dirs)]
-    lines += [f"| {t} | {len(g)} | " + " | ".join(str(h[t]) for h in hits) + " |" for t, g in eps.items()]
+    lines += [f"| {t} | {len(g)} | " + " | ".join(str(sum(h[t])) for h in hits) + " |" for t, g in eps.items()]
+    if len(dirs) > 1:
+        lines += ["", paired([str(d) for d in dirs], hits)]
     return "\n".join(lines)
 
 
@@ -318,6 +345,9 @@ def main(argv=None) -> None:
             r.update(evaluate_extra(d, heldout, episodes))
         print()
         print(markdown_extra(results, [*heldout, "episodes"]))
+        if len(results) > 1 and episodes:
+            print()
+            print(paired([str(d) for d in dirs], [episode_hits(r, episodes) for r in results]))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.write_expectations:

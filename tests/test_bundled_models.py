@@ -188,6 +188,20 @@ def test_shuffled_control_chance_is_expected_agreement():
     assert ev.independent_chance(["red", "green", "blue"], ["red", "red", "blue"]) == pytest.approx(1 / 3)
 
 
+def test_paired_table_counts_flips_and_pools_the_text_gates():
+    """Old against new on the same items: now right / now wrong and the exact McNemar p (two-sided
+    binomial on the flips: 1 up, 5 down is p = 0.22); the three text gates pooled in one row."""
+    ev = _evaluate_tiny()
+    old = {"count": [True] * 6 + [False], "field_gate": [True, True, False], "erratum_gate": [True] * 5,
+           "field_image_gate": [True, False]}
+    new = {"count": [False] * 5 + [True, True], "field_gate": [True, True, True], "erratum_gate": [True] * 4 + [False],
+           "field_image_gate": [True, True]}
+    rows = {r.split(" | ")[0].lstrip("| "): r for r in ev.paired(["old", "new"], [old, new]).splitlines()[2:]}
+    assert rows["count"] == "| count | 7 | 6 | new | 2 | 1 | 5 | 0.22 |"
+    assert rows["text gates"] == "| text gates | 10 | 8 | new | 9 | 2 | 1 | 1.00 |"
+    assert rows["erratum_gate"] == "| erratum_gate | 5 | 5 | new | 4 | 0 | 1 | 1.00 |"
+
+
 def _conversation_key(messages, scenes) -> str:
     """A conversation's texts and drawn scenes (JSON rows), to tell two conversations apart."""
     return json.dumps([[p.get("text") for m in messages for p in m["content"]], scenes], sort_keys=True)
@@ -212,6 +226,8 @@ def test_validation_check_draws_fresh_conversations_and_scores_them():
     table = ev.validate([_checkpoint_dir("qwen2_5_vl-tiny")], 1)
     rows = [r.split(" | ") for r in table.splitlines()[2:]]
     assert len(rows) == len(ev.validation_episodes(1)) and all(0 <= int(r[2].rstrip(" |")) <= int(r[1]) for r in rows)
+    two = ev.validate([_checkpoint_dir("qwen2_5_vl-tiny")] * 2, 1, types=["field_gate"]).split("\n\n")[1]
+    assert "| field_gate | 1 |" in two and two.rstrip().endswith("| 0 | 0 | 1.00 |")  # (a checkpoint against itself)
     res = subprocess.run([sys.executable, str(ROOT / "samples" / "evaluate_tiny.py"), "--validation", "-1"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 2 and "--validation" in res.stderr
