@@ -579,6 +579,8 @@ def main(argv=None) -> None:
         ap.error("--light-focus is a share in [0, 1]")
     if not 0 <= args.contrast <= 1:
         ap.error("--contrast is a share in [0, 1]")
+    if not args.decide_weight > 0:
+        ap.error("--decide-weight is a loss weight > 0")
     if not any(turn_weights.values()):
         ap.error("--turn-weight: at least one conversation length needs a weight above 0")
     torch.set_num_threads(args.threads)

@@ -548,3 +548,14 @@ def test_decide_weight_reweights_the_last_answer_against_transformers_own_loss()
             got = float(train.weighted_loss(model, batch, batcher, w))
             want = (n_o * l_o + w * n_d * l_d) / (n_o + w * n_d)
             assert abs(got - want) < 1e-4 * max(1.0, want), (w, got, want)
+
+
+@pytest.mark.parametrize("flag", [["--decide-weight", "0"], ["--decide-weight", "-1"], ["--contrast", "2"],
+                                  ["--light-focus", "-0.5"]])
+def test_train_refuses_a_bad_weight_or_share_before_building_anything(tmp_path, flag, capsys):
+    """A loss weight <= 0 or a share outside [0, 1] is a usage error (exit 2) naming the flag; no model is written."""
+    train = _train_module()
+    with pytest.raises(SystemExit) as e:
+        train.main(["--family", "qwen2_5_vl", "--out", str(tmp_path / "m"), "--steps", "1", *flag])
+    assert e.value.code == 2 and flag[0] in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
