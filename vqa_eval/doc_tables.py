@@ -25,18 +25,27 @@ REPORTS = ("agreement", "episodes", "grid", "errata")
 FLOORS = re.compile(r"image-blind ([0-9]+\.[0-9]+), shuffled-image ([0-9]+\.[0-9]+)")
 
 
+def table_end(lines: list[str], i: int) -> int | None:
+    """End (exclusive) of the markdown table starting at line ``i`` (a `|` row followed by a `|---`
+    row, up to the first non-`|` line), or None when no table starts there."""
+    if not (lines[i].startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|---")):
+        return None
+    j = i
+    while j < len(lines) and lines[j].startswith("|"):
+        j += 1
+    return j
+
+
 def table_spans(lines: list[str]) -> list[tuple[int, int]]:
-    """(start, end) of each markdown table: a `|` row followed by a `|---` row, up to the first non-`|` line."""
+    """(start, end) of each markdown table (:func:`table_end`)."""
     out, i = [], 0
     while i < len(lines):
-        if lines[i].startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
-            j = i
-            while j < len(lines) and lines[j].startswith("|"):
-                j += 1
+        j = table_end(lines, i)
+        if j is None:
+            i += 1
+        else:
             out.append((i, j))
             i = j
-        else:
-            i += 1
     return out
 
 
@@ -62,17 +71,15 @@ def embed(doc: str, reports: dict[str, str]) -> tuple[str, list[str]]:
                 if in_model and floors and "floors: image-blind" in line:
                     new = FLOORS.sub(f"image-blind {floors[1]}, shuffled-image {floors[2]}", line)
                     if new != line:
-                        changed.append(line)
+                        changed.append(f"{name}: {line[:80]}")
                     lines[i] = new
             elif line.startswith("## ") or (line.startswith("### ") and "First-token flips" not in line):
                 in_model = False
             if in_model and all_types and line.startswith("All types: splice agrees") and line != all_types:
                 lines[i] = all_types
                 changed.append(f"{name}: All types")
-            if in_model and line.startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
-                j = i
-                while j < len(lines) and lines[j].startswith("|"):
-                    j += 1
+            j = table_end(lines, i) if in_model else None
+            if j is not None:
                 k = next((k for k, t in enumerate(rep_tables) if not used[k] and t[0] == line), None)
                 if k is None:
                     raise ValueError(f"{name}: docs table {line[:80]!r} is in no report")
