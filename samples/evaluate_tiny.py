@@ -351,7 +351,18 @@ def main(argv=None) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.write_expectations:
-        write_expectations(dirs, results, items, Path(args.set))
+        keep, skipped = bundled_only(dirs)
+        for d in skipped:  # e.g. a copy of the previous bundle, scored beside the new one for the paired table
+            print(f"expectations not written for {d}: not a bundled checkpoint ({', '.join(m.name for m in MODELS)})")
+        write_expectations([dirs[i] for i in keep], [results[i] for i in keep], items, Path(args.set))
+
+
+def bundled_only(dirs: list[Path]) -> tuple[list[int], list[Path]]:
+    """Indices of the ``dirs`` that are bundled checkpoints (samples/models/<name>), and the rest:
+    expected_answers.json holds only what the bundled-model tests load."""
+    bundled = {m.resolve() for m in MODELS}
+    keep = [i for i, d in enumerate(dirs) if Path(d).resolve() in bundled]
+    return keep, [Path(d) for i, d in enumerate(dirs) if i not in keep]
 
 
 def write_expectations(dirs: list[Path], results: list[dict], items: list[VQAItem], set_path: Path = SET) -> None:

@@ -207,6 +207,18 @@ def _conversation_key(messages, scenes) -> str:
     return json.dumps([[p.get("text") for m in messages for p in m["content"]], scenes], sort_keys=True)
 
 
+def test_expectations_are_written_only_for_bundled_checkpoints(tmp_path):
+    """A copy of the previous bundle scored beside the new one (for the paired table) must not get an
+    entry in expected_answers.json: only samples/models/<name> dirs are kept, in order."""
+    ev = _evaluate_tiny()
+    prev = tmp_path / "qwen2_5_vl-tiny"  # same name as a bundle, another place
+    dirs = [prev, ROOT / "samples" / "models" / "qwen3_vl-tiny", ROOT / "samples" / "models" / ".." / "models" / "qwen2_5_vl-tiny"]
+    keep, skipped = ev.bundled_only(dirs)
+    assert keep == [1, 2]
+    assert skipped == [prev]
+    assert ev.bundled_only([]) == ([], [])
+
+
 def test_validation_check_draws_fresh_conversations_and_scores_them():
     """`evaluate_tiny.py --validation N` (the check before bundling): N conversations per type with
     0-2 earlier image turns, N // 2 per image type in `shadow`, none a committed episode; the table
