@@ -6,13 +6,18 @@
 
 Every item is asked in a fresh conversation (system turn, then the image and the question in one
 user turn) through plain transformers: ``AutoProcessor`` + ``AutoModelForImageTextToText`` and
-``model.generate`` with greedy decoding. The *shuffled* control asks each question about another
-item's image of the same type (``--shuffle-rounds`` seeded derangements, averaged), so the
-question's form stays right but the picture is wrong; a model whose answer comes from the image
-falls to chance there. *chance* is the accuracy that answers independent of the right image would
-score: sum over answers c of P(truth = c) * P(shuffled answer = c) on this type (Cohen's expected
-agreement), so a model that says yes and no evenly about a wrong picture is at chance even where
-the set's answers are unbalanced. *majority* is the best constant answer, for comparison. The
+``model.generate`` with greedy decoding. The *shuffled* control asks each question about a foreign
+image of the same type: one drawn by the same generator and renderer from an independent seed
+(``--shuffle-rounds`` draws, averaged), so the question's form stays right but the picture is
+wrong; a model whose answer comes from the image falls to chance there. The foreign images come
+from outside the set on purpose: another item's image of the same set is not independent of this
+item's answer where the set, by the luck of its draw, pairs a question with some answers more often
+(in the committed set, a perfect reader asked `what shape is the <colour> one ?` about another
+item's image answers this item's shape 0.41 of the time where that colour is there, not 1/3).
+*chance* is the accuracy that answers independent of the right image would score: sum over
+answers c of P(truth = c) * P(shuffled answer = c) on this type (Cohen's expected agreement), so a
+model that says yes and no evenly about a wrong picture is at chance even where the set's answers
+are unbalanced. *majority* is the best constant answer, for comparison. The
 control passes (issue 3) when the shuffled accuracy is within 0.10 of chance.
 """
 
@@ -67,12 +72,25 @@ def answer(model, processor, image, question: str, system: str = SYSTEM, max_new
     return processor.tokenizer.decode(new, skip_special_tokens=True).strip(), float(top2[0] - top2[1])
 
 
-def derangement(n: int, rng: random.Random) -> list[int]:
-    while True:
-        p = list(range(n))
-        rng.shuffle(p)
-        if n < 2 or all(i != j for i, j in enumerate(p)):
-            return p
+def foreign_round(items: list[VQAItem], seed: int, style: str = "flat") -> dict[str, tuple[D.Scene, D.Image.Image]]:
+    """For each item, a (scene, image) of its type from an independent draw of the set's generator
+    (seed ``seed``, the set's renderer ``style``): the k-th item of a type gets that draw's k-th
+    item of the type. One round of the shuffled control; built a round at a time to bound memory."""
+    groups = {t: [it for it in items if it.type == t] for t in TYPES}
+    per_type = max((len(g) for g in groups.values()), default=0)
+    drawn = {(qtype, iid): (scene, img) for iid, qtype, scene, img, _, _ in D.generate_items(seed, per_type, style=style)}
+    return {it.id: drawn[(t, f"{t}-{k:03d}")] for t, g in groups.items() for k, it in enumerate(g)}
+
+
+def set_style(set_path: str | Path) -> str:
+    """The renderer a set directory was drawn with (its meta.json ``style``; flat if none)."""
+    meta = Path(set_path) / "meta.json"
+    return json.loads(meta.read_text()).get("style", "flat") if meta.is_file() else "flat"
+
+
+def foreign_seed(shuffle_seed: int, r: int) -> int:
+    """The generator seed of round ``r`` of the shuffled control (far from the committed sets' seeds)."""
+    return shuffle_seed * 1000 + r
 
 
 #: Issue 3's bar: the shuffled control's accuracy stays within this of chance.
@@ -94,25 +112,21 @@ def independent_chance(truth: list[str], predicted: list[str]) -> float:
     return sum(truth.count(c) / len(truth) * predicted.count(c) / len(predicted) for c in set(truth))
 
 
-def evaluate(model_dir: Path, items: list[VQAItem], shuffle_seed: int = 4321, shuffle_rounds: int = 10) -> dict:
+def evaluate(model_dir: Path, items: list[VQAItem], shuffle_seed: int = 4321, shuffle_rounds: int = 10,
+             style: str = "flat") -> dict:
     model, processor = load(model_dir)
     n_params = sum(p.numel() for p in model.parameters())
     images = {it.id: it.load_image() for it in items}
     t0 = time.time()
     preds = {it.id: answer(model, processor, images[it.id], it.question) for it in items}
     t_full = time.time() - t0
-    # shuffled control: images deranged within each type, several derangements averaged (one
-    # derangement of 40 items moves the rate by +-0.08 on its own)
+    # shuffled control: each question about a foreign image of its type, several independent draws
+    # averaged (one draw of 40 items moves the rate by +-0.08 on its own)
     groups = {t: [it for it in items if it.type == t] for t in TYPES}
-    rng = random.Random(shuffle_seed)
-    rounds = []  # one {item id: answer} per derangement
-    for _ in range(max(1, shuffle_rounds)):
-        shuffled = {}
-        for group in groups.values():
-            perm = derangement(len(group), rng)
-            for it, j in zip(group, perm):
-                shuffled[it.id] = answer(model, processor, images[group[j].id], it.question)[0]
-        rounds.append(shuffled)
+    rounds = []  # one {item id: answer} per draw
+    for r in range(max(1, shuffle_rounds)):
+        foreign = foreign_round(items, foreign_seed(shuffle_seed, r), style)
+        rounds.append({it.id: answer(model, processor, foreign[it.id][1], it.question)[0] for it in items})
 
     def shuffled_rate(group: list[VQAItem]) -> float:
         return sum(r[it.id] == it.answer for r in rounds for it in group) / (len(group) * len(rounds))
@@ -215,7 +229,7 @@ def markdown(results: list[dict]) -> str:
         row += " | |"
         lines.append(row)
     lines.append("")
-    lines.append(f"shuffled: mean of {results[0].get('shuffle_rounds', 1)} derangements; (!) marks a shuffled "
+    lines.append(f"shuffled: mean of {results[0].get('shuffle_rounds', 1)} draws of foreign images; (!) marks a shuffled "
                  f"accuracy more than {CONTROL_BAR} from chance.")
     lines.append("")
     for r in results:
@@ -300,7 +314,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", action="append", default=None, help="checkpoint dir (repeatable)")
     ap.add_argument("--set", default=str(SET))
     ap.add_argument("--shuffle-seed", type=int, default=4321)
-    ap.add_argument("--shuffle-rounds", type=int, default=10, help="derangements averaged in the shuffled control")
+    ap.add_argument("--shuffle-rounds", type=int, default=10, help="foreign-image draws averaged in the shuffled control")
     ap.add_argument("--limit", type=int, default=None, help="only the first N items of each type (a quick look)")
     ap.add_argument("--heldout-set", action="append", default=None,
                     help="a held-out drawing style split, repeatable (default: heldout_style and heldout_dark; '' skips them)")
@@ -332,7 +346,7 @@ def main(argv=None) -> None:
     if args.limit:
         items = [it for t in TYPES for it in [i for i in items if i.type == t][: args.limit]]
     dirs = [Path(m) for m in args.model] if args.model else [m for m in MODELS if m.exists()]
-    results = [evaluate(d, items, args.shuffle_seed, args.shuffle_rounds) for d in dirs]
+    results = [evaluate(d, items, args.shuffle_seed, args.shuffle_rounds, set_style(args.set)) for d in dirs]
     print(markdown(results))
     sets = [Path(p) for p in (args.heldout_set or [str(HELDOUT_STYLE), str(HELDOUT_DARK)]) if p]
     heldout = {p.name: load_vqa_set(p) for p in sets}

@@ -188,6 +188,42 @@ def test_shuffled_control_chance_is_expected_agreement():
     assert ev.independent_chance(["red", "green", "blue"], ["red", "red", "blue"]) == pytest.approx(1 / 3)
 
 
+def test_shuffled_control_images_are_independent_of_the_set():
+    """The shuffled control's pictures are foreign: an independent draw of each item's type, not
+    another item of the same set. On the committed set, a perfect reader asked `what shape is the
+    <colour> one ?` about *another item's* image answers this item's shape 0.41 of the time where
+    that colour is there (the set pairs colours with shapes unevenly), so within-set shuffling put
+    an image-reading model above chance. About foreign images the same reader is at chance."""
+    ev = _evaluate_tiny()
+    items = ev.load_vqa_set(ev.SET)
+    rows = {json.loads(line)["id"]: json.loads(line) for line in (ev.SET / "items.jsonl").open()}
+    group = [it for it in items if it.type == "shape_of_color"]
+
+    def read(question: str, objects) -> str | None:  # the shape of the asked colour in this picture, if any
+        found = [o["shape"] for o in objects if o["color"] in question.split()]
+        return found[0] if found else None
+
+    pairs = [(a, read(a.question, rows[b.id]["scene"]["objects"])) for a in group for b in group if a is not b]
+    present = [(a, s) for a, s in pairs if s is not None]
+    assert sum(s == a.answer for a, s in present) / len(present) > 0.38  # within the set: far above 1/3
+
+    truth, said = [], []
+    for r in range(6):
+        foreign = ev.foreign_round(items, ev.foreign_seed(4321, r))
+        assert set(foreign) == {it.id for it in items}
+        for it in items:  # same type (the scene draws that type's objects), never the item's own picture
+            scene, img = foreign[it.id]
+            assert scene.to_json() != rows[it.id]["scene"]
+            assert img.size == (scene.width, scene.height)
+        for it in group:
+            truth.append(it.answer)
+            said.append(read(it.question, [o.__dict__ for o in foreign[it.id][0].objects]) or "absent")
+    rate = sum(a == b for a, b in zip(truth, said)) / len(truth)
+    assert abs(rate - ev.independent_chance(truth, said)) < 0.03
+    assert ev.foreign_round(items[:3], ev.foreign_seed(4321, 0))[items[0].id][0] == ev.foreign_round(
+        items, ev.foreign_seed(4321, 0))[items[0].id][0]  # seeded: the same draw each time
+
+
 def test_paired_table_counts_flips_and_pools_the_text_gates():
     """Old against new on the same items: now right / now wrong and the exact McNemar p (two-sided
     binomial on the flips: 1 up, 5 down is p = 0.22); the three text gates pooled in one row."""
