@@ -126,7 +126,7 @@ def evaluate(model_dir: Path, items: list[VQAItem], shuffle_seed: int = 4321, sh
     rounds = []  # one {item id: answer} per draw
     for r in range(max(1, shuffle_rounds)):
         foreign = foreign_round(items, foreign_seed(shuffle_seed, r), style)
-        rounds.append({it.id: answer(model, processor, foreign[it.id][1], it.question)[0] for it in items})
+        rounds.append({it.id: answer(model, processor, foreign[it.id][1], it.question)[0] for it in items if it.id in foreign})
 
     def shuffled_rate(group: list[VQAItem]) -> float:
         return sum(r[it.id] == it.answer for r in rounds for it in group) / (len(group) * len(rounds))
