@@ -217,7 +217,7 @@ def test_shuffled_control_images_are_independent_of_the_set():
             assert img.size == (scene.width, scene.height)
         for it in group:
             truth.append(it.answer)
-            said.append(read(it.question, [o.__dict__ for o in foreign[it.id][0].objects]) or "absent")
+            said.append(read(it.question, foreign[it.id][0].to_json()["objects"]) or "absent")
     rate = sum(a == b for a, b in zip(truth, said)) / len(truth)
     assert abs(rate - ev.independent_chance(truth, said)) < 0.03
     assert ev.foreign_round(items[:3], ev.foreign_seed(4321, 0))[items[0].id][0] == ev.foreign_round(
