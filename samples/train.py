@@ -61,6 +61,8 @@ WARM_TYPES = ("color", "shape", "count")
 #: Turns per conversation (one count per batch): mostly single questions, some long histories.
 TURN_WEIGHTS = {1: 0.55, 2: 0.2, 3: 0.15, 4: 0.1}
 IGNORE = -100
+#: Types whose answer is read from a field block (``--block-focus``).
+BLOCK_TYPES = ("field_gate", "field_value", "field_image_gate")
 #: Types whose episodes run to several hundred tokens: batched apart from the rest (padding).
 LONG_TYPES = ("erratum_gate",)
 
@@ -212,7 +214,8 @@ def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int,
 
 def episode(rng: random.Random, level: float, easy_size: int, n_turns: int,
             types: dict[str, float] | None = None, bias: float = 0.0, style: Style = Style(),
-            light_focus: float = 0.0, field_weights: dict[str, float] | None = None) -> E.Episode:
+            light_focus: float = 0.0, field_weights: dict[str, float] | None = None,
+            block_focus: float = 0.0) -> E.Episode:
     """One episode (vqa_eval/episodes.py) whose asked type is drawn from ``types`` (default
     :data:`TYPE_WEIGHTS`), after ``n_turns - 1`` earlier image Q/A turns.
 
@@ -222,17 +225,25 @@ def episode(rng: random.Random, level: float, easy_size: int, n_turns: int,
     own mix the field matches in 4 of 6 and the light then in 3 of 4: a model that reads the field
     and answers `refund` whenever it matches scores 0.83 without looking at the light.)
     ``field_weights``: relative odds of each field (``episodes.FIELDS``) being the one a text
-    episode asks about (default even); episodes are redrawn, so the split's mix is otherwise kept."""
+    episode asks about (default even); episodes are redrawn, so the split's mix is otherwise kept.
+    ``block_focus``: the share of :data:`BLOCK_TYPES` episodes redrawn until the answer must be read
+    from a block of two or three field lines (the asked one among others; ``field_value`` with no
+    erratum after it, so the block's line holds the answer). In the split's mix a third of the
+    blocks are one line, and three in four ``field_value`` answers sit in the latest erratum: the
+    lookup among other fields, where the gates miss, is the rarer case."""
     types = {t: w for t, w in (TYPE_WEIGHTS if types is None else types).items() if w > 0}
     singles = {t: types.get(t, 0.0) for t in D.TYPES if types.get(t, 0.0) > 0} or None
     qtype = rng.choices(list(types), weights=list(types.values()))[0]
     want_light = None
     if qtype == "field_image_gate" and light_focus > 0 and rng.random() < light_focus:
         want_light = rng.random() < 0.5
+    want_block = qtype in BLOCK_TYPES and block_focus > 0 and rng.random() < block_focus
     while True:
         ep = E.build(rng, qtype, level=level, easy_size=easy_size, draw=style.drawer(), before=n_turns - 1,
                      filler_types=singles)
         if want_light is not None and E.light_case(ep) != (want_light, True):
+            continue
+        if want_block and not block_decides(ep):
             continue
         if field_weights and "field" in ep.gate:  # (no draw when kept for sure: even weights leave the stream as before)
             keep = field_weights.get(ep.gate["field"], 1.0) / max(field_weights.values())
@@ -245,6 +256,11 @@ def episode(rng: random.Random, level: float, easy_size: int, n_turns: int,
         if rng.random() < accept_probability(qtype, scene, q, ep.answer, bias, ep.gate):
             break
     return ep
+
+
+def block_decides(ep: E.Episode) -> bool:
+    """Whether the answer is read from a field block of two or more lines (``--block-focus``)."""
+    return len(E.field_lines(ep)) >= 2 and not (ep.type == "field_value" and E.has_erratum(ep))
 
 
 # ----------------------------------------------------------------------------- minimal pairs
@@ -381,7 +397,7 @@ class Batcher:
     def batch(self, rng: random.Random, size: int, level: float, max_turns: int = 4, bias: float = 0.0,
               types: dict[str, float] | None = None, style: Style = Style(),
               turn_weights: dict[int, float] | None = None, light_focus: float = 0.0,
-              field_weights: dict[str, float] | None = None, contrast: float = 0.0):
+              field_weights: dict[str, float] | None = None, contrast: float = 0.0, block_focus: float = 0.0):
         """``size`` conversations; with ``contrast`` > 0 that share of the text-gate ones is followed
         in the batch by its :func:`twin` (the answer flipped by one value), as long as room is left."""
         texts, images = [], []
@@ -398,7 +414,7 @@ class Batcher:
                 types = {t: w for t, w in types.items() if t not in LONG_TYPES}
         while len(texts) < size:
             ep = episode(rng, level, self.easy_size, n_turns, types=types, bias=bias, style=style,
-                         light_focus=light_focus, field_weights=field_weights)
+                         light_focus=light_focus, field_weights=field_weights, block_focus=block_focus)
             pair = [ep]
             if contrast > 0 and ep.type in E.TEXT_TYPES and len(texts) + 1 < size and rng.random() < contrast:
                 pair += [t for t in [twin(ep, rng)] if t is not None]
@@ -539,6 +555,9 @@ def main(argv=None) -> None:
     ap.add_argument("--light-focus", type=float, default=0.0,
                     help="share of field_image_gate episodes redrawn so that the field matches and the "
                          "light decides (even odds): the image half of the question (see conversation)")
+    ap.add_argument("--block-focus", type=float, default=0.0,
+                    help="share of field_gate, field_value and field_image_gate episodes redrawn so that the "
+                         "answer is read from a block of 2-3 field lines (see episode)")
     ap.add_argument("--field-weight", action="append", default=[], metavar="FIELD=W",
                     help="relative odds of a field being the one a text episode asks about (default 1 each; "
                          "episodes.FIELDS); repeatable")
@@ -577,6 +596,8 @@ def main(argv=None) -> None:
         field_weights[name] = w
     if not 0 <= args.light_focus <= 1:
         ap.error("--light-focus is a share in [0, 1]")
+    if not 0 <= args.block_focus <= 1:
+        ap.error("--block-focus is a share in [0, 1]")
     if not 0 <= args.contrast <= 1:
         ap.error("--contrast is a share in [0, 1]")
     if not args.decide_weight > 0:
@@ -651,7 +672,7 @@ def main(argv=None) -> None:
                 "earlier_runs": earlier,
                 "total_steps": step + sum(r.get("steps") or 0 for r in earlier),
                 "total_elapsed_s": round(time.time() - t0 + sum(r.get("elapsed_s") or 0 for r in earlier), 1),
-                "style_p": args.style_p, "jpeg": args.jpeg, "light_focus": args.light_focus, "field_weights": field_weights, "contrast": args.contrast, "word_tokens": args.word_tokens, "decide_weight": args.decide_weight, "best": best,
+                "style_p": args.style_p, "jpeg": args.jpeg, "light_focus": args.light_focus, "block_focus": args.block_focus, "field_weights": field_weights, "contrast": args.contrast, "word_tokens": args.word_tokens, "decide_weight": args.decide_weight, "best": best,
                 "history": history[-50:]}
 
     def evaluate() -> None:
@@ -677,7 +698,7 @@ def main(argv=None) -> None:
         types = warm_types if p < args.warm_until else weights
         batch = batcher.batch(rng, args.batch, level, max_turns=1 if p < args.single_until else 4, bias=bias,
                               types=types, style=style, turn_weights=turn_weights, light_focus=args.light_focus,
-                              field_weights=field_weights, contrast=args.contrast)
+                              field_weights=field_weights, contrast=args.contrast, block_focus=args.block_focus)
         loss = weighted_loss(model, batch.to(args.device), batcher, args.decide_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()

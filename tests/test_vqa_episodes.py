@@ -384,6 +384,55 @@ def test_light_focus_makes_the_light_decide_field_image_gates(monkeypatch):
     assert 0.45 < sum(f for _, f in plain) / 80 < 0.85 and sum(l and f for l, f in plain) > 24
 
 
+def test_field_lines_finds_every_block_format_and_nothing_else():
+    """episodes.field_lines: the block's lines in all four formats, wherever they sit (system turn or
+    the asking turn), and never a policy, filler or erratum line."""
+    seen_formats, sizes = set(), set()
+    for i in range(120):
+        ep = E.build(random.Random(f"fl-{i}"), "field_gate")
+        lines = E.field_lines(ep)
+        f, v = ep.gate["field"], ep.gate["value"]
+        assert sum(f in line for line in lines) == 1 and any(v in line for line in lines if f in line)
+        texts = [p["text"] for m in ep.prompt_messages() for p in m["content"] if p.get("type") == "text"]
+        every = [line for t in texts for line in t.split("\n")]
+        assert all(line in every for line in lines)
+        for line in every:
+            if line in lines:
+                assert not line.startswith(("policy", "refund policy", "[STATE")) and line not in E.FILLERS
+            else:  # what is not a field line names no field value after a ':' or '='
+                assert not any(line.startswith((k + ":", k + " =", k + " :", '{"' + k)) for k in E.FIELDS)
+        seen_formats |= {next(i for i, fmt in enumerate(E.FIELD_FORMATS) if fmt.format(f=f, v=v) in lines)}
+        sizes.add(len(lines))
+    assert seen_formats == set(range(len(E.FIELD_FORMATS))) and sizes == {1, 2, 3}
+    ep = E.build(random.Random("fl-erratum"), "erratum_gate")
+    assert E.has_erratum(ep) and not any("[STATE UPDATE]" in line for line in E.field_lines(ep))
+    assert not E.has_erratum(E.build(random.Random("fl-0"), "field_gate"))
+
+
+def test_block_focus_makes_the_block_decide(monkeypatch):
+    """`train.py --block-focus 1`: every field_gate / field_image_gate episode has 2-3 field lines, and
+    every field_value answer is read from such a block with no erratum after it; 0 keeps the split's
+    mix (a third one-line blocks; most field_value answers in an erratum) and draws nothing extra."""
+    train = _train_module()
+
+    def draw(qtype: str, focus: float) -> list:
+        rng = random.Random(f"bf-{qtype}")
+        return [train.episode(rng, 1.0, 56, 1, types={qtype: 1.0}, block_focus=focus) for _ in range(60)]
+
+    for qtype in ("field_gate", "field_image_gate", "field_value"):
+        focused = draw(qtype, 1.0)
+        assert all(len(E.field_lines(ep)) >= 2 for ep in focused)
+        assert not (qtype == "field_value" and any(E.has_erratum(ep) for ep in focused))
+        plain = draw(qtype, 0.0)
+        assert sum(len(E.field_lines(ep)) == 1 for ep in plain) > 8
+        assert [ep.messages for ep in plain] == [ep.messages for ep in draw(qtype, 0.0)]
+    assert sum(E.has_erratum(ep) for ep in draw("field_value", 0.0)) > 30
+    rng = random.Random("bf-image")  # other types: the same stream with and without the option
+    a = [train.episode(rng, 1.0, 56, 1, types={"erratum_gate": 1.0}, block_focus=1.0).messages for _ in range(5)]
+    rng = random.Random("bf-image")
+    assert a == [train.episode(rng, 1.0, 56, 1, types={"erratum_gate": 1.0}).messages for _ in range(5)]
+
+
 def test_field_weights_set_how_often_each_field_is_asked(monkeypatch):
     """`train.py --field-weight order_status=4`: text episodes ask about order_status about 4 / 7 of
     the time (the other three fields 1 / 7 each) in every text type; without it, about a quarter.

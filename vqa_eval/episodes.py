@@ -27,12 +27,13 @@ need gets its own gradient instead of only the XOR of the two halves.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
 from PIL import Image
 
-from mmkv.messages import erratum_line
+from mmkv.messages import ERRATUM, erratum_line
 from mmkv.vqa_eval import dataset as D
 
 #: Fields, their values, and how a policy names them.
@@ -138,6 +139,24 @@ def light_case(ep: Episode) -> tuple[bool, bool]:
     """A ``field_image_gate`` episode's (light matches the asked colour, field matches the needed value)."""
     g = ep.gate
     return g["asked"] == g["light"], g["value"] == g["required"]
+
+
+_FIELD_LINE = re.compile(r'^\{?"?(?:%s)"?\s?[:=]\s' % "|".join(map(re.escape, FIELDS)))
+
+
+_ERRATUM_MARK = ERRATUM.split("{", 1)[0].strip()  # "[STATE UPDATE]"
+
+
+def field_lines(ep: Episode) -> list[str]:
+    """The field lines (any of :data:`FIELD_FORMATS`, any field) in the prompt, in order: a text
+    gate's block is the asked field's line among 0-2 others."""
+    return [line for m in ep.prompt_messages() for part in m["content"] if part.get("type") == "text"
+            for line in part["text"].split("\n") if _FIELD_LINE.match(line)]
+
+
+def has_erratum(ep: Episode) -> bool:
+    """Whether any ``[STATE UPDATE]`` line is in the prompt."""
+    return any(_ERRATUM_MARK in part["text"] for m in ep.prompt_messages() for part in m["content"] if part.get("type") == "text")
 
 
 def case_name(ep: Episode) -> str | None:
