@@ -113,6 +113,9 @@ def test_report_files_exist_and_parse(report, data):
     md = (report / "report.md").read_text()
     assert "| arm | agreement k/n [exact 95%]" in md and "| no-rotate (control) | " in md
     assert "## Error decomposition" in md and "## Agreement by question type" in md
+    from mmkv.vqa_eval.run import floors
+    assert data["floors"] == floors(data["requests"])
+    assert f"(the position controls' own floor): {data['floors']['shuffled_same_question']:.3f}." in md
     assert (report / "agreement.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -277,3 +280,28 @@ def test_errata_chain_runs_loops_of_edits_on_their_own_kv(engine, tmp_path):
     assert ref[2]["lm_tokens_computed"] > ref[0]["lm_tokens_computed"]  # the loop grows: recompute pays for it
     assert all(e["lm_tokens_computed"] < r["lm_tokens_computed"] for e, r in zip(ip[1:], ref[1:]))
     assert "## Chained edits: 3 per conversation" in (tmp_path / "report.md").read_text()
+
+
+def _floor_rows(spec: list[tuple[str, str, str]]) -> list[dict]:
+    return [{"type": t, "question": q, "arms": {"full": {"answer": a}}} for t, q, a in spec]
+
+
+def test_floors_same_question_is_the_unbiased_chance_another_request_of_that_question_agrees():
+    """floors(): per type, `shuffled_image` is sum P(answer)^2; `shuffled_same_question` pairs each
+    request only with *other* requests of its question (a question asked once takes its type's
+    unbiased figure). Worked by hand on a set where the question fixes the answer."""
+    from mmkv.vqa_eval.run import floors
+
+    rows = _floor_rows([("shape_of_color", "what shape is the red one ?", "circle")] * 3
+                       + [("shape_of_color", "what shape is the blue one ?", "square")] * 3)
+    f = floors(rows)
+    assert f["shuffled_image"] == pytest.approx(0.5)  # (3/6)^2 + (3/6)^2
+    assert f["image_blind"] == pytest.approx(0.5)
+    assert f["shuffled_same_question"] == pytest.approx(1.0)  # the question gives the answer away
+    # unbiased: two requests of one question that disagree never agree with each other
+    rows = _floor_rows([("count", "how many ?", "two"), ("count", "how many ?", "three")])
+    assert floors(rows)["shuffled_same_question"] == 0.0 and floors(rows)["shuffled_image"] == pytest.approx(0.5)
+    # a question asked once falls back to its type: (a, a, b) -> pairs agree 2 of 6 ordered = 1/3
+    rows = _floor_rows([("color", "q1", "red"), ("color", "q1", "red"), ("color", "q2", "blue")])
+    assert floors(rows)["shuffled_same_question"] == pytest.approx((2 * 1.0 + 1 * (1 / 3)) / 3)
+

@@ -108,7 +108,9 @@ def markdown(report: dict) -> str:
              "Intervals are exact (Clopper-Pearson) 95%. Verdict: PASS when the exact one-sided 95% lower bound "
              f"of agreement and the item-clustered bootstrap lower bound are both >= {report['target']}. "
              f"Floors (need no image, from full's answers): image-blind {f['image_blind']:.3f}, "
-             f"shuffled-image {f['shuffled_image']:.3f}.", ""]
+             f"shuffled-image {f['shuffled_image']:.3f}."
+             + (f" Asked the same question about another image of its type (the position controls' own floor): "
+                f"{f['shuffled_same_question']:.3f}." if "shuffled_same_question" in f else ""), ""]
     lines += agreement_table(s, names, controls)
     lines += ["", "## Agreement by question type (k/n [exact 95%])", ""] + per_type_table(s, names)
     lines += ["", "## Flips (full's answer -> arm's answer)", ""] + flip_lines(s, names, controls)

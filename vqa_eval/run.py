@@ -261,17 +261,42 @@ def _rate(k: int, n: int) -> dict:
     return {"k": k, "n": n, "value": k / n if n else float("nan"), "low": low, "high": high}
 
 
+def _collision(answers: list[str]) -> float | None:
+    """The chance that two different requests of ``answers`` agree (unbiased: a request is never
+    paired with itself); None for fewer than two."""
+    n = len(answers)
+    if n < 2:
+        return None
+    counts = np.unique(answers, return_counts=True)[1]
+    return float(((counts ** 2).sum() - n) / (n * (n - 1)))
+
+
 def floors(rows: list[dict]) -> dict:
     """Agreement that needs no image, from `full`'s answers per type: *image-blind* answers each
     type's most common answer; *shuffled-image* answers as for a random other image of the same
-    type (sum over answers of P(answer)^2). The splice arms must sit far above both."""
-    blind = shuffled = 0.0
+    type (sum over answers of P(answer)^2). The splice arms must sit far above both.
+
+    *shuffled_same_question* is the tighter floor for an arm that still reads the question but
+    not its own image, as the position controls do: the chance that another request of the same
+    type *and question text* got the same answer from `full` (unbiased; a question asked only once
+    takes its type's figure). A question such as ``what shape is the red one ?`` narrows the
+    answers, so this floor is at least as high as the per-type one in expectation."""
+    blind = shuffled = same_q = 0.0
     for t in {r["type"] for r in rows}:
-        answers = [normalize_answer(r["arms"][REFERENCE]["answer"]) for r in rows if r["type"] == t]
+        of_type = [r for r in rows if r["type"] == t]
+        answers = [normalize_answer(r["arms"][REFERENCE]["answer"]) for r in of_type]
         counts = np.unique(answers, return_counts=True)[1]
         blind += counts.max()
         shuffled += (counts ** 2).sum() / len(answers)
-    return {"image_blind": blind / len(rows), "shuffled_image": shuffled / len(rows)}
+        by_q: dict[str, list[str]] = {}
+        for r, a in zip(of_type, answers):
+            by_q.setdefault(r.get("question", ""), []).append(a)
+        fallback = _collision(answers) or 0.0
+        for group in by_q.values():
+            c = _collision(group)
+            same_q += len(group) * (fallback if c is None else c)
+    return {"image_blind": blind / len(rows), "shuffled_image": shuffled / len(rows),
+            "shuffled_same_question": same_q / len(rows)}
 
 
 def margin_strata(rows: list[dict], name: str) -> list[dict]:
