@@ -142,21 +142,23 @@ def light_case(ep: Episode) -> tuple[bool, bool]:
 
 
 _FIELD_LINE = re.compile(r'^\{?"?(?:%s)"?\s?[:=]\s' % "|".join(map(re.escape, FIELDS)))
-
-
 _ERRATUM_MARK = ERRATUM.split("{", 1)[0].strip()  # "[STATE UPDATE]"
+
+
+def _prompt_texts(ep: Episode):
+    """The text parts of the prompt (every message before the asked answer), in order."""
+    return (part["text"] for m in ep.prompt_messages() for part in m["content"] if part.get("type") == "text")
 
 
 def field_lines(ep: Episode) -> list[str]:
     """The field lines (any of :data:`FIELD_FORMATS`, any field) in the prompt, in order: a text
     gate's block is the asked field's line among 0-2 others."""
-    return [line for m in ep.prompt_messages() for part in m["content"] if part.get("type") == "text"
-            for line in part["text"].split("\n") if _FIELD_LINE.match(line)]
+    return [line for text in _prompt_texts(ep) for line in text.split("\n") if _FIELD_LINE.match(line)]
 
 
 def has_erratum(ep: Episode) -> bool:
     """Whether any ``[STATE UPDATE]`` line is in the prompt."""
-    return any(_ERRATUM_MARK in part["text"] for m in ep.prompt_messages() for part in m["content"] if part.get("type") == "text")
+    return any(_ERRATUM_MARK in text for text in _prompt_texts(ep))
 
 
 def case_name(ep: Episode) -> str | None:
