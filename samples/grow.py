@@ -1,0 +1,150 @@
+"""Deepen a trained checkpoint without changing what it computes: insert language-model layers that
+start as the identity.
+
+    python samples/grow.py --out /tmp/grown --after 1 --after 3 samples/models/qwen2_5_vl-tiny
+
+Each inserted decoder layer gets the config's own random initialisation, except its attention output
+projection (``o_proj``) and its MLP output projection (``down_proj``), which start at zero: both
+residual branches then add exactly 0, so the grown model's logits equal the source's bit for bit,
+and training (``samples/train.py --resume --out OUT``) starts from the source's answers rather than
+from scratch. The first gradient step moves the zero projections, and through them the rest of the
+new layer (the same start as ReZero or LoRA's zero-initialised B). This is the "deeper" half of
+Net2Net's function-preserving growth; it lets a model that has run out of depth for a multi-step
+lookup get more of it without the hours of retraining from scratch.
+
+``--after i`` inserts one new layer right after the source's layer ``i`` (0-based); repeat it for
+several. Qwen3-VL adds its deepstack visual features after its first ``len(deepstack_visual_indexes)``
+layers, so a layer inserted before the last of those would receive them instead: refused.
+
+The other files (tokenizer, processor, chat template) are copied; ``train_state.json`` keeps the
+source's training record, with the growth as its latest run (0 steps), so the chain of commands in
+``earlier_runs`` stays complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+#: Files copied unchanged from the source (the config and weights are written anew).
+COPIED = ("generation_config.json", "chat_template.jinja", "processor_config.json", "preprocessor_config.json",
+          "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "video_preprocessor_config.json")
+#: Where a decoder layer's tensors live in a Qwen-VL state dict.
+LAYER = re.compile(r"^(.*language_model\.layers\.)(\d+)\.(.*)$")
+#: The residual branches' output projections: zero in a new layer, so the layer adds nothing.
+ZEROED = ("self_attn.o_proj.", "mlp.down_proj.")
+
+
+def deepstack_layers(config) -> int:
+    """How many leading LM layers receive deepstack visual features (0 outside Qwen3-VL)."""
+    return len(getattr(config.vision_config, "deepstack_visual_indexes", None) or [])
+
+
+def layer_plan(n_layers: int, after: list[int], deepstack: int = 0) -> list[int | None]:
+    """The grown stack as source layer indexes, ``None`` for a new layer; ValueError on a bad plan."""
+    if not after:
+        raise ValueError("nothing to insert: give --after at least once")
+    for i in after:
+        if not 0 <= i < n_layers:
+            raise ValueError(f"--after {i}: the model has layers 0-{n_layers - 1}")
+        if i < deepstack - 1:
+            raise ValueError(f"--after {i}: deepstack features enter after layers 0-{deepstack - 1}; "
+                             f"a layer inserted before the last of them would receive one instead")
+    plan: list[int | None] = []
+    for i in range(n_layers):
+        plan.append(i)
+        plan.extend([None] * after.count(i))
+    return plan
+
+
+def grown_config(config, plan: list[int | None]):
+    new = copy.deepcopy(config)
+    text = new.text_config
+    old_types = getattr(config.text_config, "layer_types", None)
+    text.num_hidden_layers = len(plan)
+    if old_types:
+        types, last = [], old_types[0]
+        for src in plan:
+            last = old_types[src] if src is not None else last  # a new layer takes its predecessor's type
+            types.append(last)
+        text.layer_types = types
+    return new
+
+
+def grow(src: Path, out: Path, after: list[int], seed: int = 0) -> dict:
+    """Write the grown checkpoint to ``out``; returns the record also kept in its train_state.json."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    if out.resolve() == src.resolve():
+        raise ValueError("--out must not be the source checkpoint")
+    if not (src / "config.json").is_file():
+        raise ValueError(f"{src}: no config.json")
+    config = AutoConfig.from_pretrained(src, local_files_only=True)
+    n_old = config.text_config.num_hidden_layers
+    plan = layer_plan(n_old, sorted(after), deepstack_layers(config))
+    source = AutoModelForImageTextToText.from_pretrained(src, local_files_only=True)
+    old = source.state_dict()
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(grown_config(config, plan)).to(next(source.parameters()).dtype)
+    state = model.state_dict()
+    for name, tensor in state.items():
+        m = LAYER.match(name)
+        if m is None:
+            src_name = name
+        elif plan[int(m.group(2))] is not None:
+            src_name = f"{m.group(1)}{plan[int(m.group(2))]}.{m.group(3)}"
+        else:  # a new layer: its own init, its residual outputs at zero
+            if m.group(3).startswith(ZEROED):
+                tensor.zero_()
+            continue
+        if src_name not in old or old[src_name].shape != tensor.shape:
+            raise ValueError(f"{name}: no matching tensor {src_name} in {src}")
+        tensor.copy_(old[src_name])
+    model.load_state_dict(state)
+    model.generation_config = source.generation_config
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    for name in COPIED:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    prior = json.loads((src / "train_state.json").read_text()) if (src / "train_state.json").is_file() else {}
+    params = sum(p.numel() for p in model.parameters())
+    record = {"grown_from": str(src), "after": sorted(after), "layers": [n_old, len(plan)],
+              "new_layers": [j for j, s in enumerate(plan) if s is None], "seed": seed, "params": params}
+    earlier = list(prior.get("earlier_runs", []))
+    if prior:
+        earlier.append({k: prior.get(k) for k in ("command", "steps", "elapsed_s", "history")})
+    keep = {k: prior[k] for k in ("family", "size", "max_pixels", "min_pixels", "word_tokens") if k in prior}
+    args = " ".join(f"--after {i}" for i in sorted(after))
+    (out / "train_state.json").write_text(json.dumps({
+        **keep, "command": f"python samples/grow.py --out {out} {args} --seed {seed} {src}", "steps": 0,
+        "elapsed_s": 0.0, "history": [], "earlier_runs": earlier, "params": params, "grow": record,
+        "total_steps": sum(r.get("steps") or 0 for r in earlier),
+        "total_elapsed_s": round(sum(r.get("elapsed_s") or 0 for r in earlier), 1), "final": True}, indent=1) + "\n")
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="output checkpoint directory")
+    ap.add_argument("--after", type=int, action="append", default=[], metavar="I",
+                    help="insert a new layer after source layer I (0-based; repeatable)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the new layers' initialisation")
+    ap.add_argument("src", type=Path, help="source checkpoint directory")
+    args = ap.parse_args(argv)
+    try:
+        record = grow(args.src, args.out, args.after, args.seed)
+    except ValueError as e:
+        sys.exit(f"grow: {e}")
+    print(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
