@@ -295,8 +295,26 @@ def validation_episodes(n: int, prefix: str = "sel", types: list[str] | None = N
     return eps
 
 
-def validate(dirs: list[Path], n: int, prefix: str = "sel", types: list[str] | None = None) -> str:
-    """Markdown table: each checkpoint's exact-match hits per type on :func:`validation_episodes`."""
+#: Types whose answer is read from a field block (the asked field's line among 0-2 others).
+BLOCK_READ = ("field_gate", "field_image_gate")
+
+
+def by_block(eps: dict[str, list], hits: list[dict[str, list[bool]]], names: list[str]) -> str:
+    """Markdown table: the block-read types' hits split by the number of field lines in the prompt
+    (:func:`vqa_eval.episodes.field_lines`), where the text gates' misses concentrate."""
+    lines = ["| type | field lines | n | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
+    for t in (t for t in BLOCK_READ if t in eps):
+        sizes = [len(E.field_lines(ep)) for ep in eps[t]]
+        for k in sorted(set(sizes)):
+            idx = [i for i, s in enumerate(sizes) if s == k]
+            lines.append(f"| {t} | {k} | {len(idx)} | " + " | ".join(str(sum(h[t][i] for i in idx)) for h in hits) + " |")
+    return "\n".join(lines)
+
+
+def validate(dirs: list[Path], n: int, prefix: str = "sel", types: list[str] | None = None,
+             block_sizes: bool = False) -> str:
+    """Markdown table: each checkpoint's exact-match hits per type on :func:`validation_episodes`
+    (with ``block_sizes``, also the block-read types by field-block size: :func:`by_block`)."""
     eps = validation_episodes(n, prefix, types)
     hits = []
     for d in dirs:
@@ -306,6 +324,8 @@ def validate(dirs: list[Path], n: int, prefix: str = "sel", types: list[str] | N
     lines += [f"| {t} | {len(g)} | " + " | ".join(str(sum(h[t])) for h in hits) + " |" for t, g in eps.items()]
     if len(dirs) > 1:
         lines += ["", paired([str(d) for d in dirs], hits)]
+    if block_sizes:
+        lines += ["", by_block(eps, hits, [d.name for d in dirs])]
     return "\n".join(lines)
 
 
@@ -329,10 +349,14 @@ def main(argv=None) -> None:
                     help="seed prefix of the --validation set (a new one confirms a choice made on 'sel')")
     ap.add_argument("--validation-types", default=None, metavar="T1,T2",
                     help="only these question types in the --validation set")
+    ap.add_argument("--by-block", action="store_true",
+                    help="with --validation: also the block-read types (field_gate, field_image_gate) by field-block size")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     if args.validation < 0:
         ap.error("--validation N wants N >= 0")
+    if args.by_block and not args.validation:
+        ap.error("--by-block splits a --validation set: give --validation N")
     if args.validation:
         dirs = [Path(m) for m in args.model] if args.model else [m for m in MODELS if m.exists()]
         types = [t for t in args.validation_types.split(",") if t] if args.validation_types else None
@@ -340,7 +364,7 @@ def main(argv=None) -> None:
             validation_types(args.validation_seed, types)  # refuses a bad prefix or type before any model loads
         except ValueError as e:
             ap.error(str(e))
-        print(validate(dirs, args.validation, args.validation_seed, types))
+        print(validate(dirs, args.validation, args.validation_seed, types, args.by_block))
         return
     items = load_vqa_set(args.set)
     if args.limit:

@@ -281,6 +281,27 @@ def test_validation_check_draws_fresh_conversations_and_scores_them():
     assert res.returncode == 2 and "--validation" in res.stderr
 
 
+def test_by_block_splits_the_block_read_types_by_field_lines():
+    """`--validation N --by-block`: each block-read episode counted once, under its number of field
+    lines, with the hits of each checkpoint; other types are not split."""
+    ev = _evaluate_tiny()
+    eps = ev.validation_episodes(30, "sel", ["field_gate", "field_image_gate", "count"])
+    hits = [{t: [i % 2 == 0 for i in range(len(g))] for t, g in eps.items()},
+            {t: [True] * len(g) for t, g in eps.items()}]
+    rows = [r.strip("| ").split(" | ") for r in ev.by_block(eps, hits, ["a", "b"]).splitlines()[2:]]
+    assert {r[0] for r in rows} == {"field_gate", "field_image_gate"}
+    for t in ("field_gate", "field_image_gate"):
+        mine = [r for r in rows if r[0] == t]
+        assert sum(int(r[2]) for r in mine) == 30 and sum(int(r[4]) for r in mine) == 30
+        assert sum(int(r[3]) for r in mine) == sum(hits[0][t])
+        sizes = [len(ev.E.field_lines(ep)) for ep in eps[t]]
+        assert {int(r[1]): int(r[2]) for r in mine} == {k: sizes.count(k) for k in set(sizes)}
+    assert {int(r[1]) for r in rows if r[0] == "field_gate"} == {1, 2, 3}
+    res = subprocess.run([sys.executable, str(ROOT / "samples" / "evaluate_tiny.py"), "--by-block"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 2 and "--by-block" in res.stderr
+
+
 def test_validation_set_takes_a_new_seed_prefix_and_a_type_subset():
     """A selection set is confirmed on a new prefix: other seeds give other conversations of the same
     types; `types` keeps those types and their `shadow:` rows; a reserved or odd prefix and an unknown
