@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import socket
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,3 +60,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def sample_module(name: str):
+    """``samples/<name>.py`` as a module (the samples are scripts, not package members); registered in
+    ``sys.modules`` so that its dataclasses can look their module up."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "samples" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -170,12 +170,9 @@ def test_save_tiny_checkpoint_keeps_a_given_tokenizer(tmp_path):
 
 
 def _evaluate_tiny():
-    import importlib.util
+    from conftest import sample_module
 
-    spec = importlib.util.spec_from_file_location("evaluate_tiny", ROOT / "samples" / "evaluate_tiny.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return sample_module("evaluate_tiny")
 
 
 def test_shuffled_control_chance_is_expected_agreement():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 from pathlib import Path
@@ -11,16 +10,13 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import make_png
+from conftest import make_png, sample_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _grow():
-    spec = importlib.util.spec_from_file_location("grow", ROOT / "samples" / "grow.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return sample_module("grow")
 
 
 def _inputs(d: Path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -10,14 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import sample_module
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _soup():
-    spec = importlib.util.spec_from_file_location("soup", ROOT / "samples" / "soup.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return sample_module("soup")
 
 
 def _checkpoint(d: Path, tensors: dict, config: dict | None = None) -> Path:

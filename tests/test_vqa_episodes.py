@@ -112,14 +112,9 @@ def test_every_answer_of_every_type_rederives(qtype):
 
 def _train_module():
     """samples/train.py as a module (it is a script, not a package member)."""
-    import importlib.util
-    import sys
+    from conftest import sample_module
 
-    spec = importlib.util.spec_from_file_location("train", ROOT / "samples" / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    sys.modules["train"] = train  # (dataclasses look their module up)
-    spec.loader.exec_module(train)
-    return train
+    return sample_module("train")
 
 
 def test_lookup_types_keep_the_committed_seeds_and_stay_out_of_the_split():
