@@ -26,6 +26,7 @@ import copy
 import json
 import math
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -498,6 +499,23 @@ def save(model, processor, out: Path, state: dict) -> None:
 # ----------------------------------------------------------------------------- main
 
 
+_LM_LAYER = re.compile(r"(?:^|\.)language_model\.layers\.(\d+)\.")
+
+
+def param_groups(model, layer_lr: dict[int, float] | None = None) -> list[dict]:
+    """AdamW groups: weight decay 0.01 on matrices (not embeddings), none on the rest; an LM decoder
+    layer named in ``layer_lr`` (``--layer-lr``) trains at that multiple of the schedule's lr, e.g.
+    the identity layers ``samples/grow.py`` inserted, which start at zero and must catch up."""
+    layer_lr = layer_lr or {}
+    groups: dict[tuple[bool, float], list] = {}
+    for name, p in model.named_parameters():
+        m = _LM_LAYER.search(name)
+        mult = layer_lr.get(int(m.group(1)), 1.0) if m else 1.0
+        groups.setdefault((p.ndim >= 2 and "embed" not in name, mult), []).append(p)
+    return [{"params": ps, "weight_decay": 0.01 if decay else 0.0, "lr_mult": mult}
+            for (decay, mult), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
+
+
 def weight_options(ap: argparse.ArgumentParser, flag: str, items: list[str], key_name: str, key=str):
     """(item, key, weight) of each repeatable ``flag KEY=W`` option; one that is not KEY=NUMBER is refused
     (exit 2) naming the flag. The caller checks the key and the weight's range."""
@@ -567,6 +585,8 @@ def main(argv=None) -> None:
     ap.add_argument("--decide-weight", type=float, default=1.0,
                     help="loss weight of the last turn's answer tokens (decide_mask) against 1 for the earlier "
                          "answers and every <|im_end|>; 1 is the plain token mean")
+    ap.add_argument("--layer-lr", action="append", default=[], metavar="I=M",
+                    help="LM decoder layer I trains at M times the lr (repeatable; e.g. the layers samples/grow.py inserted)")
     ap.add_argument("--best", default=None,
                     help="also save to this dir whenever the validation mean (over trained types and the "
                          "held-out style) is at least the best so far: weights chosen on validation only")
@@ -594,6 +614,11 @@ def main(argv=None) -> None:
         if name not in E.FIELDS or not 0 < w < float("inf"):
             ap.error(f"--field-weight {item!r}: FIELD is one of {', '.join(E.FIELDS)}, the weight > 0")
         field_weights[name] = w
+    layer_lr = {}
+    for item, i, m in weight_options(ap, "--layer-lr", args.layer_lr, "I", key=int):
+        if not 0 < m < float("inf"):
+            ap.error(f"--layer-lr {item!r}: the multiple is > 0")
+        layer_lr[i] = m
     if not 0 <= args.light_focus <= 1:
         ap.error("--light-focus is a share in [0, 1]")
     if not 0 <= args.block_focus <= 1:
@@ -632,10 +657,10 @@ def main(argv=None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{args.family}: {n_params / 1e6:.2f}M params, vocab {len(tokenizer)}", flush=True)
 
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
+    n_layers = model.config.text_config.num_hidden_layers
+    if any(not 0 <= i < n_layers for i in layer_lr):
+        ap.error(f"--layer-lr: the model's LM layers are 0-{n_layers - 1}")
+    opt = torch.optim.AdamW(param_groups(model, layer_lr), lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
     batcher = Batcher(processor, args.family, grid["factor"])
     warm_types = {t: weights[t] for t in WARM_TYPES}
     style = Style(p=args.style_p, jpeg=args.jpeg)
@@ -672,7 +697,7 @@ def main(argv=None) -> None:
                 "earlier_runs": earlier,
                 "total_steps": step + sum(r.get("steps") or 0 for r in earlier),
                 "total_elapsed_s": round(time.time() - t0 + sum(r.get("elapsed_s") or 0 for r in earlier), 1),
-                "style_p": args.style_p, "jpeg": args.jpeg, "light_focus": args.light_focus, "block_focus": args.block_focus, "field_weights": field_weights, "contrast": args.contrast, "word_tokens": args.word_tokens, "decide_weight": args.decide_weight, "best": best,
+                "style_p": args.style_p, "jpeg": args.jpeg, "light_focus": args.light_focus, "block_focus": args.block_focus, "field_weights": field_weights, "contrast": args.contrast, "word_tokens": args.word_tokens, "decide_weight": args.decide_weight, "layer_lr": layer_lr, "best": best,
                 "history": history[-50:]}
 
     def evaluate() -> None:
@@ -692,7 +717,7 @@ def main(argv=None) -> None:
         level = args.max_level * (min(1.0, p / args.ramp) if args.ramp > 0 else 1.0)
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g["lr_mult"]
         rng = random.Random(f"train-{args.seed}-{step}")
         bias = min(1.0, max(0.0, (args.skew_until - p) / 0.3))  # (0 throughout with --skew-until 0)
         types = warm_types if p < args.warm_until else weights

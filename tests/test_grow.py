@@ -95,3 +95,46 @@ def test_a_layer_before_the_last_deepstack_layer_is_refused_and_nothing_is_writt
 def test_cli_exits_with_the_reason(tiny_dirs, tmp_path, capsys):
     with pytest.raises(SystemExit, match="grow: --after 9"):
         _grow().main(["--out", str(tmp_path / "g"), "--after", "9", str(tiny_dirs["qwen2_5_vl"])])
+
+
+def test_layer_lr_puts_each_parameter_in_one_group_at_its_multiple(tiny_dirs):
+    """`train.py --layer-lr I=M`: LM decoder layer I trains at M x the lr; the decay rule is as before
+    (matrices but embeddings decay); without the option the two groups of old."""
+    train = sample_module("train")
+    model = _model(tiny_dirs["qwen2_5_vl"])
+    named = dict(model.named_parameters())
+    plain = train.param_groups(model)
+    assert [(g["weight_decay"], g["lr_mult"]) for g in plain] == [(0.01, 1.0), (0.0, 1.0)]
+    groups = train.param_groups(model, {1: 10.0})
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in named.values())  # each parameter exactly once
+    fast = {id(p) for g in groups if g["lr_mult"] == 10.0 for p in g["params"]}
+    assert fast == {id(p) for n, p in named.items() if ".language_model.layers.1." in n} and fast
+    for g in groups:
+        for p in g["params"]:
+            name = next(n for n, q in named.items() if q is p)
+            assert g["weight_decay"] == (0.01 if p.ndim >= 2 and "embed" not in name else 0.0)
+
+
+def test_grown_checkpoint_resumes_in_train_py_with_faster_new_layers(tiny_dirs, tmp_path):
+    """The documented path: grow, then `train.py --resume` with `--layer-lr` on the new layers; the new
+    layers' zero projections move, the run keeps the chain of commands, a bad layer index is refused."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "g"
+    rec = sample_module("grow").grow(tiny_dirs["qwen2_5_vl"], out, [1], seed=2)
+    cmd = [sys.executable, str(ROOT / "samples" / "train.py"), "--family", "qwen2_5_vl", "--out", str(out), "--resume",
+           "--steps", "2", "--batch", "2", "--eval-every", "1000", "--warmup", "1"]
+    bad = subprocess.run(cmd + ["--layer-lr", "4=10"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode == 2 and "--layer-lr" in bad.stderr and "0-3" in bad.stderr
+    bad = subprocess.run(cmd + ["--layer-lr", "2=0"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode == 2 and "--layer-lr" in bad.stderr
+    res = subprocess.run(cmd + ["--layer-lr", f"{rec['new_layers'][0]}=10"], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    layer = _model(out).model.language_model.layers[rec["new_layers"][0]]
+    assert layer.self_attn.o_proj.weight.any() and layer.mlp.down_proj.weight.any()
+    state = json.loads((out / "train_state.json").read_text())
+    assert state["layer_lr"] == {"2": 10.0} and state["steps"] == 2
+    assert state["earlier_runs"][-1]["command"].startswith("python samples/grow.py")
