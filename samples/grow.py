@@ -13,7 +13,10 @@ Net2Net's function-preserving growth; it lets a model that has run out of depth 
 lookup get more of it without the hours of retraining from scratch.
 
 ``--after i`` inserts one new layer right after the source's layer ``i`` (0-based); repeat it for
-several. Qwen3-VL adds its deepstack visual features after its first ``len(deepstack_visual_indexes)``
+several. ``--mlp N`` widens every LM layer's MLP to ``N`` units (the "wider" half): the new units'
+input rows (``gate_proj``, ``up_proj``) get the random initialisation and their ``down_proj`` columns
+start at zero, so they too add nothing until trained (the logits then agree up to float32 rounding:
+a longer reduction sums in another order). Qwen3-VL adds its deepstack visual features after its first ``len(deepstack_visual_indexes)``
 layers, so a layer inserted before the last of those would receive them instead: refused.
 
 The other files (tokenizer, processor, chat template) are copied; ``train_state.json`` keeps the
@@ -49,8 +52,6 @@ def deepstack_layers(config) -> int:
 
 def layer_plan(n_layers: int, after: list[int], deepstack: int = 0) -> list[int | None]:
     """The grown stack as source layer indexes, ``None`` for a new layer; ValueError on a bad plan."""
-    if not after:
-        raise ValueError("nothing to insert: give --after at least once")
     for i in after:
         if not 0 <= i < n_layers:
             raise ValueError(f"--after {i}: the model has layers 0-{n_layers - 1}")
@@ -64,9 +65,11 @@ def layer_plan(n_layers: int, after: list[int], deepstack: int = 0) -> list[int 
     return plan
 
 
-def grown_config(config, plan: list[int | None]):
+def grown_config(config, plan: list[int | None], mlp: int | None = None):
     new = copy.deepcopy(config)
     text = new.text_config
+    if mlp is not None:
+        text.intermediate_size = mlp
     old_types = getattr(config.text_config, "layer_types", None)
     text.num_hidden_layers = len(plan)
     if old_types:
@@ -78,7 +81,25 @@ def grown_config(config, plan: list[int | None]):
     return new
 
 
-def grow(src: Path, out: Path, after: list[int], seed: int = 0) -> dict:
+#: MLP tensors whose first (input rows) or second (output columns) axis is the MLP width.
+MLP_ROWS = ("mlp.gate_proj.", "mlp.up_proj.")
+MLP_COLS = "mlp.down_proj."
+
+
+def _copy_into(tensor: torch.Tensor, old: torch.Tensor, rest: str) -> None:
+    """``old`` into ``tensor``; a widened MLP keeps the new units' rows random and their columns zero."""
+    if old.shape == tensor.shape:
+        tensor.copy_(old)
+    elif rest.startswith(MLP_ROWS) and old.shape[1:] == tensor.shape[1:] and old.shape[0] < tensor.shape[0]:
+        tensor[: old.shape[0]] = old
+    elif rest.startswith(MLP_COLS) and old.shape[0] == tensor.shape[0] and old.shape[1] < tensor.shape[1]:
+        tensor[:, : old.shape[1]] = old
+        tensor[:, old.shape[1]:] = 0
+    else:
+        raise ValueError(f"{rest}: {tuple(old.shape)} does not fit {tuple(tensor.shape)}")
+
+
+def grow(src: Path, out: Path, after: list[int], seed: int = 0, mlp: int | None = None) -> dict:
     """Write the grown checkpoint to ``out``; returns the record also kept in its train_state.json."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -88,11 +109,16 @@ def grow(src: Path, out: Path, after: list[int], seed: int = 0) -> dict:
         raise ValueError(f"{src}: no config.json")
     config = AutoConfig.from_pretrained(src, local_files_only=True)
     n_old = config.text_config.num_hidden_layers
+    width = config.text_config.intermediate_size
+    if not after and mlp is None:
+        raise ValueError("nothing to grow: give --after or --mlp")
+    if mlp is not None and mlp <= width:
+        raise ValueError(f"--mlp {mlp}: the MLP already has {width} units; give more")
     plan = layer_plan(n_old, sorted(after), deepstack_layers(config))
     source = AutoModelForImageTextToText.from_pretrained(src, local_files_only=True)
     old = source.state_dict()
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(grown_config(config, plan)).to(next(source.parameters()).dtype)
+    model = AutoModelForImageTextToText.from_config(grown_config(config, plan, mlp)).to(next(source.parameters()).dtype)
     state = model.state_dict()
     for name, tensor in state.items():
         m = LAYER.match(name)
@@ -104,9 +130,9 @@ def grow(src: Path, out: Path, after: list[int], seed: int = 0) -> dict:
             if m.group(3).startswith(ZEROED):
                 tensor.zero_()
             continue
-        if src_name not in old or old[src_name].shape != tensor.shape:
+        if src_name not in old:
             raise ValueError(f"{name}: no matching tensor {src_name} in {src}")
-        tensor.copy_(old[src_name])
+        _copy_into(tensor, old[src_name], m.group(3) if m else name)
     model.load_state_dict(state)
     model.generation_config = source.generation_config
     out.mkdir(parents=True, exist_ok=True)
@@ -117,12 +143,13 @@ def grow(src: Path, out: Path, after: list[int], seed: int = 0) -> dict:
     prior = json.loads((src / "train_state.json").read_text()) if (src / "train_state.json").is_file() else {}
     params = sum(p.numel() for p in model.parameters())
     record = {"grown_from": str(src), "after": sorted(after), "layers": [n_old, len(plan)],
+              "mlp": [width, mlp or width],
               "new_layers": [j for j, s in enumerate(plan) if s is None], "seed": seed, "params": params}
     earlier = list(prior.get("earlier_runs", []))
     if prior:
         earlier.append({k: prior.get(k) for k in ("command", "steps", "elapsed_s", "history")})
     keep = {k: prior[k] for k in ("family", "size", "max_pixels", "min_pixels", "word_tokens") if k in prior}
-    args = " ".join(f"--after {i}" for i in sorted(after))
+    args = " ".join([f"--after {i}" for i in sorted(after)] + ([f"--mlp {mlp}"] if mlp else []))
     (out / "train_state.json").write_text(json.dumps({
         **keep, "command": f"python samples/grow.py --out {out} {args} --seed {seed} {src}", "steps": 0,
         "elapsed_s": 0.0, "history": [], "earlier_runs": earlier, "params": params, "grow": record,
@@ -136,11 +163,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True, help="output checkpoint directory")
     ap.add_argument("--after", type=int, action="append", default=[], metavar="I",
                     help="insert a new layer after source layer I (0-based; repeatable)")
+    ap.add_argument("--mlp", type=int, default=None, metavar="N", help="widen every LM layer's MLP to N units")
     ap.add_argument("--seed", type=int, default=0, help="seed of the new layers' initialisation")
     ap.add_argument("src", type=Path, help="source checkpoint directory")
     args = ap.parse_args(argv)
     try:
-        record = grow(args.src, args.out, args.after, args.seed)
+        record = grow(args.src, args.out, args.after, args.seed, args.mlp)
     except ValueError as e:
         sys.exit(f"grow: {e}")
     print(json.dumps(record, indent=1))

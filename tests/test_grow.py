@@ -73,13 +73,38 @@ def test_grown_model_computes_exactly_what_the_source_did(tiny_dirs, tmp_path, f
 
 
 @pytest.mark.parametrize("after, message", [
-    ([], "nothing to insert"),
     ([3], "layers 0-2"),
     ([-1], "layers 0-2"),
 ])
 def test_bad_plans_are_refused(after, message):
     with pytest.raises(ValueError, match=message):
         _grow().layer_plan(3, after)
+
+
+@pytest.mark.parametrize("family, after", [("qwen2_5_vl", []), ("qwen3_vl", [2])])
+def test_a_wider_mlp_computes_exactly_what_the_source_did(tiny_dirs, tmp_path, family, after):
+    """`--mlp N`: every LM layer's MLP widened (the fixture's 128 units to 200); the old units keep
+    their weights, the new ones have random input rows and zero output columns: the logits are equal."""
+    G = _grow()
+    src = tiny_dirs[family]
+    rec = G.grow(src, tmp_path / "w", after, seed=3, mlp=200)
+    assert rec["mlp"] == [128, 200] and rec["layers"] == [3, 3 + len(after)]
+    source, grown = _model(src), _model(tmp_path / "w")
+    assert grown.config.text_config.intermediate_size == 200
+    enc = _inputs(src)
+    with torch.no_grad():
+        # the zero columns add exact zeros, but a 200-long float32 reduction rounds otherwise than a
+        # 128-long one: 1.5e-6 seen on logits up to 3.3
+        torch.testing.assert_close(grown(**enc).logits, source(**enc).logits, rtol=0, atol=1e-5)
+    old_mlp, new_mlp = source.model.language_model.layers[0].mlp, grown.model.language_model.layers[0].mlp
+    assert torch.equal(new_mlp.gate_proj.weight[:128], old_mlp.gate_proj.weight)
+    assert torch.equal(new_mlp.down_proj.weight[:, :128], old_mlp.down_proj.weight)
+    assert not new_mlp.down_proj.weight[:, 128:].any() and new_mlp.up_proj.weight[128:].std() > 0
+    with pytest.raises(ValueError, match="already has 128 units"):
+        G.grow(src, tmp_path / "x", [], mlp=128)
+    with pytest.raises(ValueError, match="nothing to grow"):
+        G.grow(src, tmp_path / "x", [])
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_layer_before_the_last_deepstack_layer_is_refused_and_nothing_is_written(tiny_dirs, tmp_path):
