@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ def _model(d: Path):
 @pytest.mark.parametrize("family, after", [("qwen2_5_vl", [0, 2]), ("qwen3_vl", [1, 2, 2]), ("qwen2_vl", [1])])
 def test_grown_model_computes_exactly_what_the_source_did(tiny_dirs, tmp_path, family, after):
     G = _grow()
-    src = tiny_dirs[family]
+    src = Path(shutil.copytree(tiny_dirs[family], tmp_path / "src"))  # (the fixture is shared: left as it is)
     (src / "train_state.json").write_text(json.dumps({"family": family, "command": "python samples/train.py x",
                                                       "steps": 7, "elapsed_s": 3.0, "history": [],
                                                       "earlier_runs": [{"command": "a", "steps": 5, "elapsed_s": 2.0}]}))
