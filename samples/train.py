@@ -536,6 +536,10 @@ def main(argv=None) -> None:
                     help="proxy: Qwen2.5-VL with a real position scheme (PROXY_GRID, proxy_overrides)")
     ap.add_argument("--rope-theta", type=float, default=None,
                     help="the LM's rope_theta for a fresh model (default: model_overrides' or proxy_overrides')")
+    ap.add_argument("--rebase-theta", type=float, default=None,
+                    help="with --resume: give the trained model's LM this rope_theta before training (not "
+                         "function-preserving: every position the model learned turns differently, and the run "
+                         "must re-learn them; recorded as rope_theta_from in train_state.json)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--minutes", type=float, default=None, help="wall-clock budget")
@@ -596,7 +600,9 @@ def main(argv=None) -> None:
     if args.minutes is None and args.steps is None:
         ap.error("give --minutes and/or --steps")
     if args.rope_theta is not None and (args.resume or args.rope_theta <= 0):
-        ap.error("--rope-theta sets a fresh model's rope_theta (> 0); a resumed model keeps its own")
+        ap.error("--rope-theta sets a fresh model's rope_theta (> 0); a resumed model keeps its own (--rebase-theta)")
+    if args.rebase_theta is not None and (not args.resume or not 0 < args.rebase_theta < float("inf")):
+        ap.error("--rebase-theta changes a resumed model's rope_theta (> 0): use it with --resume")
     weights = dict(TYPE_WEIGHTS)
     for item, name, w in weight_options(ap, "--weight", args.weight, "TYPE"):
         if name not in TYPE_WEIGHTS:
@@ -636,13 +642,20 @@ def main(argv=None) -> None:
     if args.size == "proxy" and args.family != "qwen2_5_vl":
         ap.error("--size proxy is a Qwen2.5-VL model: use --family qwen2_5_vl")
     grid = PROXY_GRID if args.size == "proxy" else GRID[args.family]
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
     out = Path(args.out)
+    theta_from = None  # the resumed checkpoint's rope_theta, kept in train_state.json when --rebase-theta changes it
     if args.resume:  # the checkpoint's own tokenizer: a rebuilt one could merge differently
         processor = AutoProcessor.from_pretrained(out, local_files_only=True)
         tokenizer = processor.tokenizer
-        model = AutoModelForImageTextToText.from_pretrained(out, local_files_only=True)
+        config = AutoConfig.from_pretrained(out, local_files_only=True)
+        rope = config.get_text_config().rope_parameters
+        theta_from = rope["rope_theta"]
+        if args.rebase_theta is not None:  # built with the new theta: the rotary tables follow the config
+            rope["rope_theta"] = args.rebase_theta
+            print(f"rope_theta {theta_from} -> {args.rebase_theta} (rebased: positions turn differently)", flush=True)
+        model = AutoModelForImageTextToText.from_pretrained(out, config=config, local_files_only=True)
     else:
         tokenizer = tiny.build_tokenizer(tokenizer_corpus(), vocab_size=512)
         processor = tiny.build_processor(args.family, tokenizer, grid["min_pixels"], grid["max_pixels"])
@@ -698,6 +711,8 @@ def main(argv=None) -> None:
                 "total_steps": step + sum(r.get("steps") or 0 for r in earlier),
                 "total_elapsed_s": round(time.time() - t0 + sum(r.get("elapsed_s") or 0 for r in earlier), 1),
                 "style_p": args.style_p, "jpeg": args.jpeg, "light_focus": args.light_focus, "block_focus": args.block_focus, "field_weights": field_weights, "contrast": args.contrast, "word_tokens": args.word_tokens, "decide_weight": args.decide_weight, "layer_lr": layer_lr, "best": best,
+                "rope_theta": model.config.get_text_config().rope_parameters["rope_theta"],
+                "rope_theta_from": theta_from if args.rebase_theta is not None else None,
                 "history": history[-50:]}
 
     def evaluate() -> None:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "samples" / "models"
@@ -87,6 +88,21 @@ def test_training_command_smoke(tmp_path):
     assert model.config.get_text_config().rope_parameters["rope_theta"] == 1000.0
     again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert again.returncode == 2 and "--rope-theta" in again.stderr  # a resumed model keeps its own
+    fresh = cmd[:-2]  # without --rope-theta 1000
+    refused = subprocess.run(fresh + ["--rebase-theta", "50"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert refused.returncode == 2 and "--rebase-theta" in refused.stderr  # only a resumed model is rebased
+    rebased = subprocess.run(fresh + ["--resume", "--steps", "1", "--rebase-theta", "50"], capture_output=True,
+                             text=True, timeout=600, cwd=ROOT)
+    assert rebased.returncode == 0, rebased.stderr[-3000:]
+    state = json.loads((out / "train_state.json").read_text())
+    assert state["rope_theta"] == 50.0 and state["rope_theta_from"] == 1000.0
+    assert state["earlier_runs"][-1]["steps"] == 3
+    model, processor = _load(out)
+    text = model.config.get_text_config()
+    assert text.rope_parameters["rope_theta"] == 50.0
+    inv = model.model.language_model.rotary_emb.inv_freq  # the rotary table follows the rebased config
+    d = text.head_dim
+    assert torch.allclose(inv, 1.0 / 50.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     assert _answer(model, processor, ROOT / "samples" / "vqa" / "images" / "color-000.png", "what color is the shape ?") is not None
 
 
