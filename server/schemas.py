@@ -155,7 +155,7 @@ class ChatCompletionRequest(BaseModel):
     """OpenAI's fields, each implemented or refused (400 `unsupported_parameter` naming it); null
     means unset, as in OpenAI's API. Types are strict: "5" is not an integer, true is not 1."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # NaN: "a finite number"
 
     model: str = ""
     messages: list[ChatMessage] = Field(min_length=1)
@@ -233,6 +233,8 @@ class ChatCompletionRequest(BaseModel):
             raise UnsupportedParameterError(f"n={self.n} is not supported; only one choice per request", param="n")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+        if self.stream_options is not None and not self.stream:  # as OpenAI: not silently dropped
+            raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
         if self.parallel_tool_calls is not None and not self.tools:
             raise InvalidRequestError("parallel_tool_calls needs tools", param="parallel_tool_calls")
         return self

@@ -187,6 +187,8 @@ CASES = [
     Case("temperature-high", 400, "invalid_schema", "temperature", chat(temperature=3)),
     Case("temperature-string", 400, "invalid_schema", "temperature", chat(temperature="hot")),
     Case("temperature-bool", 400, "invalid_schema", "temperature", chat(temperature=True)),
+    Case("temperature-nan", 400, "invalid_schema", "temperature", chat(temperature=float("nan"))),
+    Case("top-p-infinity", 400, "invalid_schema", "top_p", chat(top_p=float("inf"))),
     Case("top-p-zero", 400, "invalid_schema", "top_p", chat(top_p=0)),
     Case("top-p-high", 400, "invalid_schema", "top_p", chat(top_p=1.5)),
     Case("top-k-negative", 400, "invalid_schema", "top_k", chat(top_k=-2)),
@@ -229,6 +231,8 @@ CASES = [
          chat(stream=True, stream_options={"include_obfuscation": True})),
     Case("stream-options-unknown", 400, "invalid_schema", "stream_options.include_foo",
          chat(stream=True, stream_options={"include_foo": True})),
+    Case("stream-options-without-stream", 400, "invalid_request", "stream_options",
+         chat(stream_options={"include_usage": True})),
     # ---- tools: the bundled model's template has none (a Qwen3-VL one does: tests/test_server_tools.py)
     Case("tools-template-without-tools", 400, "invalid_request", "tools",
          chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
