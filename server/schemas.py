@@ -53,6 +53,8 @@ class SkillPart(BaseModel):
 class StateUpdatePart(BaseModel):
     """Renders the erratum line: '[STATE UPDATE] <field> has just changed to <value>; ...'."""
 
+    model_config = ConfigDict(allow_inf_nan=False)  # NaN is not a value to render, as in the request's floats
+
     type: Literal["state_update"]
     field: str = Field(min_length=1)
     value: str | int | float | bool

@@ -145,6 +145,8 @@ CASES = [
     Case("state-update-no-value", 400, "invalid_request", P0, user({"type": "state_update", "field": "x"})),
     Case("state-update-object-value", 400, "invalid_request", P0,
          user({"type": "state_update", "field": "x", "value": {"a": 1}})),
+    Case("state-update-nan-value", 400, "invalid_request", P0,
+         user({"type": "state_update", "field": "x", "value": float("nan")})),
     Case("too-many-images", 400, "invalid_request", "messages[0].content[2]",
          user(img(GOOD_URL), img(GOOD_URL), img(GOOD_URL))),
     # ---- image data
