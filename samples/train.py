@@ -645,15 +645,14 @@ def main(argv=None) -> None:
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
     out = Path(args.out)
-    theta_from = None  # the resumed checkpoint's rope_theta, kept in train_state.json when --rebase-theta changes it
+    theta_from = None  # the rope_theta --rebase-theta replaced (train_state.json: rope_theta_from)
     if args.resume:  # the checkpoint's own tokenizer: a rebuilt one could merge differently
         processor = AutoProcessor.from_pretrained(out, local_files_only=True)
         tokenizer = processor.tokenizer
         config = AutoConfig.from_pretrained(out, local_files_only=True)
         rope = config.get_text_config().rope_parameters
-        theta_from = rope["rope_theta"]
         if args.rebase_theta is not None:  # built with the new theta: the rotary tables follow the config
-            rope["rope_theta"] = args.rebase_theta
+            theta_from, rope["rope_theta"] = rope["rope_theta"], args.rebase_theta
             print(f"rope_theta {theta_from} -> {args.rebase_theta} (rebased: positions turn differently)", flush=True)
         model = AutoModelForImageTextToText.from_pretrained(out, config=config, local_files_only=True)
     else:
@@ -712,7 +711,7 @@ def main(argv=None) -> None:
                 "total_elapsed_s": round(time.time() - t0 + sum(r.get("elapsed_s") or 0 for r in earlier), 1),
                 "style_p": args.style_p, "jpeg": args.jpeg, "light_focus": args.light_focus, "block_focus": args.block_focus, "field_weights": field_weights, "contrast": args.contrast, "word_tokens": args.word_tokens, "decide_weight": args.decide_weight, "layer_lr": layer_lr, "best": best,
                 "rope_theta": model.config.get_text_config().rope_parameters["rope_theta"],
-                "rope_theta_from": theta_from if args.rebase_theta is not None else None,
+                "rope_theta_from": theta_from,
                 "history": history[-50:]}
 
     def evaluate() -> None:
