@@ -144,7 +144,7 @@ def _clients(url: str, bodies: list[dict]) -> dict:
 def _body(engine, tokens: int, i: int) -> dict:
     """A streamed chat of exactly `tokens` completion tokens (the end tokens banned)."""
     banned = {str(t): -100 for t in engine.stop_ids}
-    return {"model": "m", "max_tokens": tokens, "temperature": 0, "stream": True, "logit_bias": banned,
+    return {"model": engine.model_id, "max_tokens": tokens, "temperature": 0, "stream": True, "logit_bias": banned,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": f"request {i} : describe the image . " * 2}]}
 

@@ -116,6 +116,11 @@ def serve(
         "--allow-image-url-prefix", envvar="MMKV_ALLOW_IMAGE_URL_PREFIX",
         help="Let image_url parts fetch URLs starting with this (e.g. https://img.example.com/ or "
              "file:///srv/images/). Repeatable. Default: data: URLs only.")] = None,
+    served_model_name: Annotated[list[str] | None, typer.Option(
+        "--served-model-name", envvar="MMKV_SERVED_MODEL_NAME",
+        help="A name chat requests may give as `model` (repeatable; env: space-separated); the first is the one "
+             "responses report. Default: the model's id (the hub id or the directory's name). Any other name is "
+             "a 404.")] = None,
     max_tokens_default: Annotated[int, typer.Option(envvar="MMKV_MAX_TOKENS_DEFAULT",
                                                     help="max_tokens when a request sets none.")] = 512,
     device: Annotated[str | None, typer.Option(envvar="MMKV_DEVICE",
@@ -170,7 +175,8 @@ def serve(
             file_store_bytes=int(file_store_gb * (1 << 30)), max_images_per_request=max_images_per_request,
             key_file_bytes=int(key_file_quota_mb * (1 << 20)), key_files=key_file_quota_count,
             image_threads=image_threads, body_timeout_s=body_timeout_s,
-            allowed_image_url_prefixes=tuple(allow_image_url_prefix or ()), default_max_tokens=max_tokens_default)
+            allowed_image_url_prefixes=tuple(allow_image_url_prefix or ()), default_max_tokens=max_tokens_default,
+            served_model_names=tuple(served_model_name or ()))
         limits = ConnectionLimits(max_connections=max_connections, header_timeout_s=header_timeout_s,
                                   keep_alive_s=keep_alive_s, max_header_bytes=max_header_kb << 10,
                                   grace_s=shutdown_grace_s)

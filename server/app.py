@@ -50,7 +50,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
         files=FileStore(settings.file_store_bytes, settings.key_file_bytes, settings.key_files,
                         durable=tiers.registry if tiers is not None else None),
         images=ImagePreparer(engine.prepare_image, settings.image_threads, settings.max_pending_images),
-        model_id=engine.model_id, started=int(time.time()))
+        model_names=settings.served_model_names or (engine.model_id,), started=int(time.time()))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

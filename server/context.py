@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from .auth import KeyRing
-from .errors import ClientDisconnected
+from .errors import ClientDisconnected, UnknownModelError
 from .files import FileStore
 from .image_prep import ImagePreparer
 from .metrics import ServerMetrics
@@ -27,10 +27,23 @@ class ServerContext:
     metrics: ServerMetrics
     settings: ServerSettings
     images: ImagePreparer
-    model_id: str
+    model_names: tuple[str, ...]  # what a request's `model` may say; the first is reported (served_model_names)
     started: int  # unix seconds
     # Set when the shutdown grace period is over: running jobs are cancelled, streams end.
     shutdown_deadline: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def model_id(self) -> str:
+        """The name responses and /v1/models report."""
+        return self.model_names[0]
+
+    def check_model(self, name: str) -> None:
+        """UnknownModelError (404 `model_not_found`, param `model`) unless this server serves `name`:
+        a request meant for another model is not answered by this one."""
+        if name not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
+            raise UnknownModelError(f"the model {name!r} does not exist on this server; it serves {served}",
+                                    param="model")
 
     def tenant_of(self, request: Request) -> str:
         """FastAPI dependency: the request's tenant from its API key (401 without a valid one)."""

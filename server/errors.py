@@ -33,6 +33,14 @@ class BodyTimeoutError(MMKVError):
     code = "request_timeout"
 
 
+class UnknownModelError(MMKVError):
+    """A model name this server does not serve (a chat request's `model`, /v1/models/{id}): 404, as OpenAI."""
+
+    http_status = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
 class ClientDisconnected(Exception):
     """The client went away while its job waited or ran; the job has been cancelled."""
 

@@ -102,6 +102,7 @@ def chat_router(ctx: ServerContext) -> APIRouter:
                  responses={200: {"content": {"text/event-stream": {}},
                                   "description": "A chat.completion, or with stream=true an SSE stream of chunks."}})
     async def chat_completions(body: ChatCompletionRequest, request: Request, tenant: str = Depends(ctx.tenant_of)):
+        ctx.check_model(body.model)
         messages = await engine_messages(ctx, body, tenant)
         kwargs = generate_kwargs(body, tenant)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"

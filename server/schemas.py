@@ -159,7 +159,7 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # NaN: "a finite number"
 
-    model: str = ""
+    model: str = Field(description="One of the names /v1/models lists (404 `model_not_found` otherwise).")
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)

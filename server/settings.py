@@ -21,6 +21,9 @@ class ServerSettings:
     max_pending_images: int = 64  # images waiting for those threads before new ones get 429
     allowed_image_url_prefixes: tuple[str, ...] = ()  # e.g. "https://images.example.com/", "file:///srv/img/"
     default_max_tokens: int = 512
+    # The names a chat request's `model` may carry, as vLLM's --served-model-name: the first is the one
+    # responses and /v1/models report. Empty: the engine's own model id. Any other name is a 404.
+    served_model_names: tuple[str, ...] = ()
 
     def __post_init__(self):
         assert self.max_queue >= 1, "max_queue must be at least 1"
@@ -32,3 +35,6 @@ class ServerSettings:
         assert self.max_images_per_request >= 0, "max_images_per_request must be >= 0"
         assert self.image_threads >= 1 and self.max_pending_images >= 1, "image_threads and max_pending_images >= 1"
         assert self.default_max_tokens >= 1, "the default max_tokens must be at least 1"
+        assert all(name and name.strip() == name for name in self.served_model_names), \
+            "a served model name is non-empty, without surrounding spaces"
+        assert len(set(self.served_model_names)) == len(self.served_model_names), "served model names repeat"

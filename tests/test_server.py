@@ -127,7 +127,7 @@ def reference(tiny_dir):
 
 @pytest.fixture(scope="module")
 def live(tiny_dir):
-    server = LiveServer(create_app(mmkv.Engine.from_pretrained(tiny_dir), ServerSettings()))
+    server = LiveServer(create_app(mmkv.Engine.from_pretrained(tiny_dir), ServerSettings(served_model_names=("tiny",))))
     yield server
     server.close()
 
@@ -230,10 +230,10 @@ def test_data_url_sampling_and_stop_match_engine(live, reference):
         want.text, want.finish_reason)
 
 
-def test_models_health_openapi(live, tiny_dir):
-    assert [m.id for m in live.client().models.list().data] == [tiny_dir.name]
+def test_models_health_openapi(live):
+    assert [m.id for m in live.client().models.list().data] == ["tiny"]  # its served name
     health = httpx.get(f"{live.base_url}/health").json()
-    assert health["status"] == "ok" and health["model"] == tiny_dir.name
+    assert health["status"] == "ok" and health["model"] == "tiny"
     schema = httpx.get(f"{live.base_url}/openapi.json").json()
     assert {"/v1/chat/completions", "/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content",
             "/v1/models"} <= set(schema["paths"])
@@ -241,7 +241,8 @@ def test_models_health_openapi(live, tiny_dir):
 
 
 def test_api_keys_scope_files_and_cache_per_key(tiny_dir):
-    live = LiveServer(create_app(mmkv.Engine.from_pretrained(tiny_dir), ServerSettings(api_keys=("key-a", "key-b"))))
+    settings = ServerSettings(api_keys=("key-a", "key-b"), served_model_names=("tiny",))
+    live = LiveServer(create_app(mmkv.Engine.from_pretrained(tiny_dir), settings))
     try:
         a, b = live.client("key-a"), live.client("key-b")
         green = png_bytes((30, 200, 30))
@@ -300,12 +301,24 @@ def mmkv_serve(args: list[str], env: dict[str, str], log_path):
 
 
 def test_mmkv_serve_command(tiny_dir, tmp_path):
-    """`mmkv serve` end to end: env vars read, the flag wins over its env var, the openai client works."""
-    env = dict(MMKV_PORT="1", MMKV_API_KEY="sk-env", MMKV_MODEL_DIR=str(tiny_dir), MMKV_LOG_JSON="1")
+    """`mmkv serve` end to end: env vars read, the flag wins over its env var, the openai client works;
+    a request names one of the served model names or gets a 404, never another model's answer."""
+    env = dict(MMKV_PORT="1", MMKV_API_KEY="sk-env", MMKV_MODEL_DIR=str(tiny_dir), MMKV_LOG_JSON="1",
+               MMKV_SERVED_MODEL_NAME="tiny tiny-alias")
     with mmkv_serve([], env, tmp_path / "serve.log") as base_url:
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="sk-env", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["tiny", "tiny-alias"]
+        assert client.models.retrieve("tiny-alias").id == "tiny-alias"
         got = client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
         assert got.usage.completion_tokens >= 1
+        alias = client.chat.completions.create(model="tiny-alias", max_tokens=2, temperature=0,
+                                               messages=[{"role": "user", "content": "hi"}])
+        assert alias.model == "tiny"  # the first served name, as vLLM reports it
+        for other in (tiny_dir.name, "gpt-4o"):  # the directory's name is no longer one of them
+            with pytest.raises(openai.NotFoundError) as err:
+                client.chat.completions.create(model=other, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+            assert (err.value.body["code"], err.value.body["param"]) == ("model_not_found", "model")
+            assert repr(other) in err.value.body["message"] and "'tiny'" in err.value.body["message"]
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0).models.list()
     out = (tmp_path / "serve.log").read_text()

@@ -328,12 +328,21 @@ CASES = [
     Case("route-unknown", 404, "not_found", None, method="GET", path="/v1/nope"),
     Case("method-not-allowed", 405, "method_not_allowed", None, method="PUT", path="/v1/chat/completions", raw=b"{}"),
     Case("docs-off", 404, "not_found", None, method="GET", path="/docs"),
+    # ---- the model: one this server serves (served_model_names), never silently another
+    Case("chat-model-missing", 400, "invalid_schema", "model", {"messages": HI, "max_tokens": 1}, replace=True),
+    Case("chat-model-null", 400, "invalid_schema", "model", chat(model=None)),
+    Case("chat-model-not-string", 400, "invalid_schema", "model", chat(model=5)),
+    Case("chat-model-unknown", 404, "model_not_found", "model", chat(model="gpt-4o")),
+    Case("chat-model-empty", 404, "model_not_found", "model", chat(model="")),
+    Case("chat-model-unknown-with-image", 404, "model_not_found", "model",
+         chat(model="tiny-other", **user(img(GOOD_URL), txt("hi")))),
 ]
 
 
 @pytest.fixture(scope="module")
 def live(tiny_dir):  # noqa: F811 - the fixture imported above
-    settings = ServerSettings(api_keys=(KEY,), max_body_bytes=MAX_BODY, max_images_per_request=2)
+    settings = ServerSettings(api_keys=(KEY,), max_body_bytes=MAX_BODY, max_images_per_request=2,
+                              served_model_names=("tiny",))
     server = LiveServer(create_app(mmkv.Engine.from_pretrained(tiny_dir), settings))
     yield server
     metrics = server.metrics()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mmkv import Engine
-from mmkv.server.app import create_app
+from mmkv.server.app import ServerSettings, create_app
 
 from conftest import make_png
 from test_server import LiveServer
@@ -23,7 +23,7 @@ BOUND_S = 30  # every request here answers well within this on the tiny model
 @pytest.fixture(scope="module")
 def server(tiny_dirs):
     engine = Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], dtype=torch.float32, device="cpu")
-    return LiveServer(create_app(engine)), engine
+    return LiveServer(create_app(engine, ServerSettings(served_model_names=("tiny",)))), engine
 
 
 def _post(base_url: str, body: dict) -> tuple[int, dict | list[str]]:
@@ -50,7 +50,7 @@ def test_policies_on_new_questions_and_field_edits_answer(server, stream):
     url = "data:image/png;base64," + base64.b64encode(make_png(70, 56, seed=5)).decode()
     for policy in ("erratum", "in_place", "selective@2"):
         for messages, detected in _asks(url, f"{policy} {stream}"):
-            body = {"model": "m", "messages": messages, "max_tokens": 3, "temperature": 0, "stream": stream,
+            body = {"model": "tiny", "messages": messages, "max_tokens": 3, "temperature": 0, "stream": stream,
                     "mmkv": {"edit_policy": policy}}
             edit = _edit_report(*_post(live.base_url, body))
             assert edit["detected"] is detected and edit["applied"] in (policy, "recompute"), (policy, edit)
@@ -85,7 +85,7 @@ def test_an_exception_on_the_worker_still_answers(server, monkeypatch, stream, w
         raise StopIteration("injected")
 
     monkeypatch.setattr(engine, "start", broken)  # the scheduler's prefill stage
-    status, body = _post(live.base_url, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+    status, body = _post(live.base_url, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                          "max_tokens": 3, "stream": stream})
     if stream and when == "mid-stream":
         assert status == 200 and body[-1] == "[DONE]", body
@@ -95,6 +95,6 @@ def test_an_exception_on_the_worker_still_answers(server, monkeypatch, stream, w
         error = body["error"]
     assert error["code"] == "internal_error" and "injected" not in json.dumps(error)
     monkeypatch.undo()
-    status, body = _post(live.base_url, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+    status, body = _post(live.base_url, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                          "max_tokens": 2, "temperature": 0})
     assert status == 200, body  # and the server keeps serving

@@ -105,7 +105,8 @@ def image_dirs(tmp_path_factory):
 def live(controlled, image_dirs):
     allowed, _, http_root = image_dirs
     settings = ServerSettings(api_keys=(KEY,), max_queue=MAX_QUEUE, max_body_bytes=MAX_BODY, max_images_per_request=2,
-                              allowed_image_url_prefixes=(f"file://{allowed}/", http_root), file_store_bytes=FILE_STORE)
+                              allowed_image_url_prefixes=(f"file://{allowed}/", http_root), file_store_bytes=FILE_STORE,
+                              served_model_names=("tiny",))
     server = LiveServer(create_app(controlled, settings))
     yield server
     server.close()

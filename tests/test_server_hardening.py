@@ -40,7 +40,7 @@ def engines(tiny_dir):  # noqa: F811 - the fixture imported above
 
 @pytest.fixture(scope="module")
 def live(engines):
-    settings = ServerSettings(api_keys=(K1, K2), key_files=KEY_FILES, body_timeout_s=1.0)
+    settings = ServerSettings(api_keys=(K1, K2), key_files=KEY_FILES, body_timeout_s=1.0, served_model_names=("tiny",))
     server = LiveServer(create_app(engines[0], settings))
     yield server
     server.close()
@@ -327,7 +327,7 @@ def test_sigterm_queued_get_503_json_running_stream_ends_properly(engines):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     # one generation at a time, so that the two after it wait in the queue
-    config = uvicorn.Config(create_app(engines[1], ServerSettings(max_batch=1)), log_level="warning",
+    config = uvicorn.Config(create_app(engines[1], ServerSettings(max_batch=1, served_model_names=("tiny",))), log_level="warning",
                             timeout_graceful_shutdown=4)
     server = MMKVServer(config, grace_s=1.0)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -379,7 +379,7 @@ def test_the_connection_limit_answers_openai_json(engines):
     from mmkv.server.serve import json_limit_errors
 
     json_limit_errors()
-    live = LiveServer(create_app(engines[1]), log_level="error", http=HeaderTimeoutProtocol, limit_concurrency=2)
+    live = LiveServer(create_app(engines[1], ServerSettings(served_model_names=("tiny",))), log_level="error", http=HeaderTimeoutProtocol, limit_concurrency=2)
     port = int(live.base_url.rsplit(":", 1)[1])
     try:
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]  # hold the two slots

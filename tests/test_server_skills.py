@@ -17,7 +17,7 @@ POLICY = "refund policy . refunds only for delivered orders reported damaged wit
 
 @pytest.fixture(scope="module")
 def live(tiny_dir):  # noqa: F811
-    server = LiveServer(create_app(mmkv.Engine.from_pretrained(tiny_dir), ServerSettings(api_keys=("k1", "k2"))))
+    server = LiveServer(create_app(mmkv.Engine.from_pretrained(tiny_dir), ServerSettings(api_keys=("k1", "k2"), served_model_names=("tiny",))))
     yield server
     server.close()
 

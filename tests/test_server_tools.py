@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mmkv import Engine
-from mmkv.server.app import create_app
+from mmkv.server.app import ServerSettings, create_app
 
 from test_server import LiveServer
 from test_tools import HISTORY, TIME, WEATHER, ScriptedSampler
@@ -23,7 +23,7 @@ def qwen3_server(tmp_path_factory):
 
     snapshot = save_real_checkpoint("qwen3_vl", tmp_path_factory.mktemp("hub"), seed=2)
     engine = Engine.from_pretrained(snapshot, dtype=torch.float32, device="cpu")
-    return LiveServer(create_app(engine)), engine
+    return LiveServer(create_app(engine, ServerSettings(served_model_names=("tiny",)))), engine
 
 
 def _force(engine, monkeypatch, answer: str) -> None:
@@ -41,7 +41,7 @@ def test_tool_calls_with_the_openai_client(qwen3_server, monkeypatch, parallel):
     live, engine = qwen3_server
     _force(engine, monkeypatch, ANSWER)
     extra = {} if parallel is None else {"parallel_tool_calls": parallel}
-    reply = live.client().chat.completions.create(model="m", messages=HISTORY, tools=[WEATHER, TIME],
+    reply = live.client().chat.completions.create(model="tiny", messages=HISTORY, tools=[WEATHER, TIME],
                                                   max_tokens=64, **extra)
     choice = reply.choices[0]
     want = [("get_weather", {"city": "Oslo"}), ("get_time", {})][: 1 if parallel is False else 2]
@@ -52,7 +52,7 @@ def test_tool_calls_with_the_openai_client(qwen3_server, monkeypatch, parallel):
     follow = HISTORY + [choice.message.model_dump(exclude_none=True),
                         {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "7 C"}]
     _force(engine, monkeypatch, "It is 7 C in Oslo.")
-    again = live.client().chat.completions.create(model="m", messages=follow, tools=[WEATHER, TIME], max_tokens=16)
+    again = live.client().chat.completions.create(model="tiny", messages=follow, tools=[WEATHER, TIME], max_tokens=16)
     assert again.choices[0].message.content == "It is 7 C in Oslo." and again.choices[0].finish_reason == "stop"
     assert again.usage.prompt_tokens == engine.prompt_ids(follow, tools=[WEATHER, TIME]).numel()
 
@@ -60,7 +60,7 @@ def test_tool_calls_with_the_openai_client(qwen3_server, monkeypatch, parallel):
 def test_streamed_tool_calls_accumulate_like_openai(qwen3_server, monkeypatch):
     live, engine = qwen3_server
     _force(engine, monkeypatch, "Let me look.\n" + ANSWER)
-    stream = live.client().chat.completions.create(model="m", messages=HISTORY, tools=[WEATHER, TIME],
+    stream = live.client().chat.completions.create(model="tiny", messages=HISTORY, tools=[WEATHER, TIME],
                                                    max_tokens=64, stream=True)
     content, calls, finish = "", {}, None
     for chunk in stream:
@@ -83,11 +83,11 @@ def test_bad_tools_are_400_naming_the_field(qwen3_server, tiny_dirs):
     live, _ = qwen3_server
     client = live.client()
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="m", messages=HISTORY[:2], max_tokens=2,
+        client.chat.completions.create(model="tiny", messages=HISTORY[:2], max_tokens=2,
                                        tools=[{"type": "function", "function": {"name": "bad name"}}])
     assert err.value.body["param"] == "tools[0].function.name"
-    tiny = LiveServer(create_app(Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], dtype=torch.float32, device="cpu")))
+    tiny = LiveServer(create_app(Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], dtype=torch.float32, device="cpu"), ServerSettings(served_model_names=("tiny",))))
     with pytest.raises(openai.BadRequestError) as err:
-        tiny.client().chat.completions.create(model="m", messages=HISTORY[:2], max_tokens=2, tools=[WEATHER])
+        tiny.client().chat.completions.create(model="tiny", messages=HISTORY[:2], max_tokens=2, tools=[WEATHER])
     assert err.value.body["param"] == "tools"
     tiny.server.should_exit = True

@@ -140,7 +140,7 @@ def test_mmkv_serve_killed_with_sigkill_keeps_files_skills_and_reuse(tiny_dirs, 
         assert [f["id"] for f in listed["data"]] == [up["id"]]
         assert httpx.get(f"{base}/v1/files/{up['id']}/content", headers=auth).content == make_png(64, 48)
         assert [s["id"] for s in httpx.get(f"{base}/v1/skills", headers=auth).json()["data"]] == [skill["id"]]
-        body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        body = {"model": "qwen2_5_vl", "max_tokens": 2, "messages": [{"role": "user", "content": [
             {"type": "skill", "skill_id": skill["id"]},
             {"type": "image_file", "image_file": {"file_id": up["id"]}}, {"type": "text", "text": "Colour?"}]}]}
         reply = httpx.post(f"{base}/v1/chat/completions", headers=auth, json=body, timeout=60).json()

@@ -177,7 +177,7 @@ def _inline(seed: int) -> list[dict]:
 def test_two_servers_over_http_and_redis_down_then_back(model_dir, tmp_path, redis_server, url):
     """Upload on server A, ask on server B with the same API key; stop Redis mid-run: both still
     answer and /health says degraded; start it again: B uses it again without a restart."""
-    settings = ServerSettings(api_keys=("sk-1", "sk-2"))
+    settings = ServerSettings(api_keys=("sk-1", "sk-2"), served_model_names=("m",))
     engine_a = Engine.from_pretrained(model_dir, store_dir=tmp_path / "a", redis_url=url)
     engine_b = Engine.from_pretrained(model_dir, store_dir=tmp_path / "b", redis_url=url)
     a, b = LiveServer(create_app(engine_a, settings)), LiveServer(create_app(engine_b, settings))
