@@ -269,34 +269,42 @@ RESERVED_PREFIXES = ("train", "val", "valh", "vqa")  # seed prefixes of training
 
 
 def validation_types(prefix: str = "sel", types: list[str] | None = None) -> list[str]:
-    """The question types of a validation set drawn with seed ``prefix`` (all, or those in ``types``);
-    a reserved or non-alphanumeric prefix and an unknown type are refused with ValueError."""
+    """The question types of a validation set drawn with seed ``prefix`` (every evaluated type, or
+    those in ``types``, which may also name the training-only lookups ``field_value`` and
+    ``policy_value``); a reserved or non-alphanumeric prefix and an unknown type are refused with
+    ValueError."""
     if not prefix.isalnum() or prefix in RESERVED_PREFIXES:
         raise ValueError(f"validation seed prefix {prefix!r}: want letters and digits, not one of {RESERVED_PREFIXES}")
     every = [*TYPES, *E.SPLIT_TYPES]
-    unknown = sorted(set(types or []) - set(every))
+    known = [*every, *(t for t in E.ALL_TYPES if t not in every)]
+    unknown = sorted(set(types or []) - set(known))
     if unknown:
-        raise ValueError(f"unknown question type(s) {unknown}; known: {every}")
-    return [t for t in every if types is None or t in types]
+        raise ValueError(f"unknown question type(s) {unknown}; known: {known}")
+    return every if types is None else [t for t in known if t in types]
 
 
-def validation_episodes(n: int, prefix: str = "sel", types: list[str] | None = None) -> dict[str, list]:
+def validation_episodes(n: int, prefix: str = "sel", types: list[str] | None = None,
+                        image_free: bool = False) -> dict[str, list]:
     """Fresh validation conversations for choosing between checkpoints: ``n`` per type from string
     seeds ``<prefix>-<type>-<i>`` (never a training, monitor or committed seed), with 0-2 earlier
     image turns as in the committed conversation split, and ``n // 2`` per image type in the
     ``shadow`` style (key ``shadow:<type>``, single questions). ``types`` keeps only those types
-    (and their ``shadow:`` rows). A set that has already chosen between checkpoints is a selection
-    set: confirm the final choice on a new ``prefix``."""
+    (and their ``shadow:`` rows). ``image_free``: no image turns before the task's own (the probe for
+    a checkpoint trained on text only: ``field_gate`` and the lookups then hold no image;
+    ``erratum_gate`` keeps the filler image turns it draws between errata). A set that has already chosen
+    between checkpoints is a selection set: confirm the final choice on a new ``prefix``."""
     kept = validation_types(prefix, types)
-    eps = {t: [E.build(random.Random(f"{prefix}-{t}-{i}"), t) for i in range(n)] for t in kept}
+    before = 0 if image_free else None
+    eps = {t: [E.build(random.Random(f"{prefix}-{t}-{i}"), t, before=before) for i in range(n)] for t in kept}
     for t in (t for t in TYPES if t in kept):
         eps[f"shadow:{t}"] = [E.build(random.Random(f"{prefix}-shadow-{t}-{i}"), t, before=0, draw=D.render_heldout)
                               for i in range(n // 2)]
     return eps
 
 
-#: Types whose answer is read from a field block (the asked field's line among 0-2 others).
-BLOCK_READ = ("field_gate", "field_image_gate")
+#: Types whose prompt holds a field block (the asked field's line among 0-2 others; for
+#: ``erratum_gate`` the block the errata override).
+BLOCK_READ = ("field_gate", "field_image_gate", "erratum_gate", "field_value")
 
 
 def by_block(eps: dict[str, list], hits: list[dict[str, list[bool]]], names: list[str]) -> str:
@@ -312,10 +320,10 @@ def by_block(eps: dict[str, list], hits: list[dict[str, list[bool]]], names: lis
 
 
 def validate(dirs: list[Path], n: int, prefix: str = "sel", types: list[str] | None = None,
-             block_sizes: bool = False) -> str:
+             block_sizes: bool = False, image_free: bool = False) -> str:
     """Markdown table: each checkpoint's exact-match hits per type on :func:`validation_episodes`
     (with ``block_sizes``, also the block-read types by field-block size: :func:`by_block`)."""
-    eps = validation_episodes(n, prefix, types)
+    eps = validation_episodes(n, prefix, types, image_free)
     hits = []
     for d in dirs:
         model, processor = load(d)
@@ -348,15 +356,20 @@ def main(argv=None) -> None:
     ap.add_argument("--validation-seed", default="sel", metavar="PREFIX",
                     help="seed prefix of the --validation set (a new one confirms a choice made on 'sel')")
     ap.add_argument("--validation-types", default=None, metavar="T1,T2",
-                    help="only these question types in the --validation set")
+                    help="only these question types in the --validation set (may add field_value, policy_value)")
     ap.add_argument("--by-block", action="store_true",
-                    help="with --validation: also the block-read types (field_gate, field_image_gate) by field-block size")
+                    help="with --validation: also the types with a field block (field_gate, field_image_gate, "
+                         "erratum_gate, field_value) by field-block size")
+    ap.add_argument("--image-free", action="store_true",
+                    help="with --validation: no image turns before the task's own (a text-only checkpoint's probe)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     if args.validation < 0:
         ap.error("--validation N wants N >= 0")
     if args.by_block and not args.validation:
         ap.error("--by-block splits a --validation set: give --validation N")
+    if args.image_free and not args.validation:
+        ap.error("--image-free shapes a --validation set: give --validation N")
     if args.validation:
         dirs = [Path(m) for m in args.model] if args.model else [m for m in MODELS if m.exists()]
         types = [t for t in args.validation_types.split(",") if t] if args.validation_types else None
@@ -364,7 +377,7 @@ def main(argv=None) -> None:
             validation_types(args.validation_seed, types)  # refuses a bad prefix or type before any model loads
         except ValueError as e:
             ap.error(str(e))
-        print(validate(dirs, args.validation, args.validation_seed, types, args.by_block))
+        print(validate(dirs, args.validation, args.validation_seed, types, args.by_block, args.image_free))
         return
     items = load_vqa_set(args.set)
     if args.limit:

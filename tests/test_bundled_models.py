@@ -313,6 +313,30 @@ def test_by_block_splits_the_block_read_types_by_field_lines():
     res = subprocess.run([sys.executable, str(ROOT / "samples" / "evaluate_tiny.py"), "--by-block"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 2 and "--by-block" in res.stderr
+    errata = ev.validation_episodes(12, "sel", ["erratum_gate", "field_value"])
+    rows = [r.strip("| ").split(" | ") for r in ev.by_block(errata, [{t: [True] * 12 for t in errata}], ["a"]).splitlines()[2:]]
+    assert {r[0] for r in rows} == {"erratum_gate", "field_value"}
+    assert all(sum(int(r[2]) for r in rows if r[0] == t) == 12 for t in errata)
+
+
+def test_image_free_validation_set_has_no_image_turns_and_the_same_seeds():
+    """`--validation N --image-free` (the probe of a text-only checkpoint): the same seeds as the
+    default set, drawn without image turns before the task's own, so `field_gate` and the
+    lookups hold no image; the training-only lookups are asked only when named; refused without
+    --validation."""
+    ev = _evaluate_tiny()
+    types = ["field_gate", "field_value", "count"]
+    free, usual = ev.validation_episodes(8, "sel", types, image_free=True), ev.validation_episodes(8, "sel", types)
+    assert free.keys() == usual.keys() == {*types, "shadow:count"}
+    assert "field_value" not in ev.validation_episodes(1) and "policy_value" not in ev.validation_episodes(1)
+    assert all(not ep.images for t in ("field_gate", "field_value") for ep in free[t])
+    assert all(len(ep.images) == 1 for ep in free["count"])
+    assert any(ep.images for t in ("field_gate", "field_value") for ep in usual[t])
+    redraw = [ev.E.build(ev.random.Random(f"sel-field_gate-{i}"), "field_gate", before=0) for i in range(8)]
+    assert [ep.prompt_messages() for ep in redraw] == [ep.prompt_messages() for ep in free["field_gate"]]
+    res = subprocess.run([sys.executable, str(ROOT / "samples" / "evaluate_tiny.py"), "--image-free"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 2 and "--image-free" in res.stderr
 
 
 def test_validation_set_takes_a_new_seed_prefix_and_a_type_subset():
