@@ -12,7 +12,10 @@ from mmkv.errors import InvalidRequestError
 from mmkv.images import PreparedImage
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
-RESERVED_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "\ue000", "\ue001")
+# The processor's image tokens (send images as image parts) and the private-use characters mmkv's own
+# markers use: \ue000N\ue001 a skill's place, \ue002N\ue003 a special token's text sent as text (mmkv.plan).
+RESERVED_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+                   "\ue000", "\ue001", "\ue002", "\ue003")
 # The paper's erratum line, verbatim (MECHANISM.md section 1).
 ERRATUM = "[STATE UPDATE] {field} has just changed to {value}; this overrides any earlier value. Apply the current value."
 
@@ -54,14 +57,16 @@ def check_unicode(value: str, param: str) -> str:
     return value
 
 
-def _text(value: Any, param: str) -> str:
+def check_text(value: Any, param: str) -> str:
+    """A client's string: valid Unicode, none of RESERVED_TOKENS."""
     if not isinstance(value, str):
         raise InvalidRequestError(f"{param} must be a string", param=param)
     check_unicode(value, param)
     for token in RESERVED_TOKENS:
         if token in value:
-            raise InvalidRequestError(f"{param} contains the reserved token {token}; send images as image parts",
-                                      param=param)
+            why = (f"the reserved token {token}; send images as image parts" if token.startswith("<")
+                   else f"U+{ord(token):04X}, a private-use character mmkv reserves for its own markers")
+            raise InvalidRequestError(f"{param} contains {why}", param=param)
     return value
 
 
@@ -109,8 +114,8 @@ def _attach_tool_calls(out: dict, msg: dict, param: str) -> None:
             raise InvalidRequestError(f"{cparam} needs function.name and function.arguments (a JSON object as a "
                                       f"string)", param=cparam)
         kept.append({"type": "function", "id": str(call.get("id", "")),
-                     "function": {"name": _text(name, f"{cparam}.function.name"),
-                                  "arguments": _text(args, f"{cparam}.function.arguments")}})
+                     "function": {"name": check_text(name, f"{cparam}.function.name"),
+                                  "arguments": check_text(args, f"{cparam}.function.arguments")}})
     out["tool_calls"] = kept
 
 
@@ -133,7 +138,7 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | SkillRef]
         if content is None:
             content = ""
         if isinstance(content, str):
-            out.append({"role": role, "content": _text(content, f"{param}.content")})
+            out.append({"role": role, "content": check_text(content, f"{param}.content")})
             _attach_tool_calls(out[-1], msg, param)
             continue
         if not isinstance(content, list):
@@ -147,7 +152,7 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | SkillRef]
                 raise InvalidRequestError(f"{pparam} must be an object", param=pparam)
             kind = part.get("type")
             if kind == "text":
-                parts.append({"type": "text", "text": _text(part.get("text"), f"{pparam}.text")})
+                parts.append({"type": "text", "text": check_text(part.get("text"), f"{pparam}.text")})
             elif kind == "skill":
                 skill_id = part.get("skill_id")
                 if not isinstance(skill_id, str) or not skill_id:
@@ -158,7 +163,7 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | SkillRef]
                 field, value = part.get("field"), part.get("value")
                 if not isinstance(field, str) or not field.strip() or not isinstance(value, (str, int, float, bool)):
                     raise InvalidRequestError(f"{pparam} needs a string field and a scalar value", param=pparam)
-                text = erratum_line(_text(field, f"{pparam}.field"), _text(str(value), f"{pparam}.value"))
+                text = erratum_line(check_text(field, f"{pparam}.field"), check_text(str(value), f"{pparam}.value"))
                 parts.append({"type": "text", "text": text + "\n"})
             elif kind in ("image_url", "image_file", "image"):
                 if role not in ("user", "system"):

@@ -23,6 +23,7 @@ from mmkv.tools import ToolSpec, check_tools, template_supports_tools
 
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # as OpenAI: bounds the stop-string search per token
 PROCESSOR_ONLY = re.compile(r"<\|(vision_[a-z]+|image_pad|video_pad)\|>")  # tokens only the processor places
+LITERAL = "\ue002{}\ue003"  # the i-th special token's string, sent by a client: tokenized as plain text
 
 
 def check_seam_tokens(value) -> int:
@@ -79,9 +80,71 @@ def check_rendered(template: list[dict], text: str) -> None:
             cursor = at + len(piece)
 
 
+class ClientText:
+    """A client's text is text. Where a message, a tool or an erratum holds a special token's
+    string (`<|im_start|>`, `<|im_end|>`, `<|endoftext|>`...), the tokenizer would read it as that
+    control token and the client could forge a turn the template never wrote (a system message
+    after the user's, an ended assistant turn). Each occurrence becomes a marker (LITERAL) before
+    the template renders, and `Planner.prompt` tokenizes the marker as the string's plain-text
+    tokens, as OpenAI's API reads such text. Text parts that the template joins into a special
+    token ("<|im_" + "end|>") are refused: no one part holds it to escape."""
+
+    def __init__(self, tokenizer):
+        added = tokenizer.added_tokens_decoder.values()
+        self.specials = sorted({t.content for t in added if t.special}, key=len, reverse=True)
+        self._pattern = re.compile("|".join(map(re.escape, self.specials))) if self.specials else None
+        self._index = {s: i for i, s in enumerate(self.specials)}
+
+    def escape(self, text: str) -> str:
+        if self._pattern is None:
+            return text
+        return self._pattern.sub(lambda m: LITERAL.format(self._index[m.group(0)]), text)
+
+    def escape_all(self, value):
+        """Every string inside `value` (lists and dicts, keys too) escaped; other values as they are."""
+        if isinstance(value, str):
+            return self.escape(value)
+        if isinstance(value, list | tuple):
+            return type(value)(self.escape_all(v) for v in value)
+        if isinstance(value, dict):
+            return {self.escape_all(k): self.escape_all(v) for k, v in value.items()}
+        return value
+
+    def messages(self, template: list[dict]) -> list[dict]:
+        out = []
+        for i, msg in enumerate(template):
+            content = msg["content"]
+            if isinstance(content, list):
+                self._check_joins([p.get("text", "") if p.get("type") == "text" else None for p in content],
+                                  f"messages[{i}].content")
+            out.append(self.escape_all(msg))
+        return out
+
+    def _check_joins(self, texts: list[str | None], param: str) -> None:
+        """Adjacent text parts render back to back: refuse a special token that only their join holds."""
+        if self._pattern is None:
+            return
+        run: list[str] = []
+        for text in texts + [None]:
+            if text is not None:
+                run.append(text)
+                continue
+            if len(run) > 1:
+                cuts, at = set(), 0
+                for piece in run[:-1]:
+                    at += len(piece)
+                    cuts.add(at)
+                for m in self._pattern.finditer("".join(run)):
+                    if any(m.start() < c < m.end() for c in cuts):
+                        raise InvalidRequestError(f"adjacent text parts of {param} join into the special token "
+                                                  f"{m.group(0)}; send it within one part", param=param)
+            run = []
+
+
 class Planner:
     def __init__(self, adapter: VLAdapter):
         self.adapter = adapter
+        self.client_text = ClientText(adapter.tokenizer)
 
     def render(self, template_messages: list[dict], add_generation_prompt: bool = True,
                tools: ToolSpec | None = None) -> str:
@@ -89,7 +152,7 @@ class Planner:
         tool choice, the assistant turn already opened with the call (mmkv.tools)."""
         text = self.adapter.processor.apply_chat_template(
             template_messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            **({"tools": list(tools.tools)} if tools else {}))
+            **({"tools": self.client_text.escape_all(list(tools.tools))} if tools else {}))
         return text + (tools.forced_prefix() if tools and add_generation_prompt else "")
 
     def tool_spec(self, tools, tool_choice) -> ToolSpec | None:
@@ -109,12 +172,14 @@ class Planner:
                tools: ToolSpec | None = None) -> tuple[torch.Tensor, list[tuple[int, RegisteredImage | Skill]]]:
         """Render the chat template and tokenize it, expanding each image placeholder to its pad
         tokens (as the processor does) and each skill marker to the skill's tokens. Returns the ids
-        and (start index, reference) of every image span and skill, in order."""
+        and (start index, reference) of every image span and skill, in order. A special token's
+        string in the client's text is plain text (ClientText)."""
+        template = self.client_text.messages(template)
         text = self.render(template, tools=tools)
         check_rendered(template, text)
         self._check_reserved(text, sum(isinstance(r, RegisteredImage) for r in refs))
         pad = self.adapter.processor.image_token
-        pattern = re.compile(re.escape(pad) + "|\\ue000(\\d+)\\ue001")
+        pattern = re.compile(re.escape(pad) + "|\\ue000(\\d+)\\ue001|\\ue002(\\d+)\\ue003")
         images = iter(r for r in refs if isinstance(r, RegisteredImage))
         ids: list[int] = []
         spans = []
@@ -122,7 +187,10 @@ class Planner:
         for m in pattern.finditer(text):
             ids += self.adapter.tokenizer(text[cursor:m.start()])["input_ids"]
             cursor = m.end()
-            if m.group(1) is None:
+            if m.group(2) is not None:
+                literal = self.client_text.specials[int(m.group(2))]
+                ids += self.adapter.tokenizer(literal, split_special_tokens=True)["input_ids"]
+            elif m.group(1) is None:
                 reg = next(images, None)
                 if reg is None or not ids or ids[-1] != self.adapter.vision_start_id:
                     raise InvalidRequestError("the chat template did not place every image exactly once")

@@ -301,7 +301,9 @@ class Registries:
             durable=lambda: self.durable_key("skill", content_digest(skill.token_ids.numpy().tobytes()), tenant))
 
     def _tokenize(self, text: str) -> torch.Tensor:
-        return torch.tensor(self.adapter.tokenizer(text)["input_ids"], dtype=torch.long)
+        """A skill's text is text: a special token's string in it is tokenized as plain text, as in
+        messages (mmkv.plan.ClientText), so a skill cannot end its turn or open another."""
+        return torch.tensor(self.adapter.tokenizer(text, split_special_tokens=True)["input_ids"], dtype=torch.long)
 
     def chunk_for(self, ref: RegisteredImage | Skill, tenant: str) -> CachedChunk:
         return self.image_chunk(ref, tenant) if isinstance(ref, RegisteredImage) else self.skill_chunk(ref, tenant)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmkv.errors import InvalidRequestError
+from mmkv.messages import check_text
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
@@ -89,6 +90,9 @@ def check_tools(tools: Any, tool_choice: Any = None) -> ToolSpec | None:
         if "strict" in fn and fn["strict"]:
             raise InvalidRequestError(f"{param}.function.strict is not supported (no schema-constrained decoding)",
                                       param=f"{param}.function.strict")
+        for key in ("description", "parameters"):
+            if key in fn:
+                _check_strings(fn[key], f"{param}.function.{key}")
         kept = {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
         out.append({"type": "function", "function": kept})
     choice, forced = tool_choice if tool_choice is not None else "auto", None
@@ -102,6 +106,22 @@ def check_tools(tools: Any, tool_choice: Any = None) -> ToolSpec | None:
         raise InvalidRequestError('tool_choice must be "auto", "none", "required" or '
                                   '{"type": "function", "function": {"name": ...}}', param="tool_choice")
     return ToolSpec(tuple(out), choice, forced)
+
+
+def _check_strings(value: Any, param: str) -> None:
+    """Every string of a tool's description or schema (keys too) is a client's text, rendered
+    into the prompt: the same reserved-token checks as message text (mmkv.messages). Iterative,
+    so a deeply nested schema is no recursion error."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            check_text(item, param)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def template_supports_tools(chat_template: str | None) -> bool:
