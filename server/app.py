@@ -62,7 +62,10 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
 
     # No /docs or /redoc: their pages load scripts from a CDN, which an offline or locked-down
     # deployment cannot reach (and should not trust). /openapi.json is the schema.
+    # strict_content_type=False: a JSON body sent with no Content-Type is read as JSON (as OpenAI's
+    # API reads it); one sent under another type is a 415 naming the header (server/errors.py).
     app = FastAPI(title="mmkv", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  strict_content_type=False,
                   description="OpenAI-compatible multimodal chat with upload-once images and KV reuse.")
     app.state.ctx = ctx
     app.add_middleware(RequestEdge, max_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,

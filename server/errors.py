@@ -79,6 +79,11 @@ def field_path(loc: tuple[Any, ...]) -> str | None:
     return path or None
 
 
+def _is_json_type(content_type: str) -> bool:
+    kind = content_type.split(";")[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MMKVError)
     async def mmkv_error(_request: Request, exc: MMKVError) -> JSONResponse:
@@ -91,9 +96,15 @@ def install_error_handlers(app: FastAPI) -> None:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(RequestValidationError)
-    async def schema_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def schema_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         # A union reports one error per member; the deepest names the field best (stop[0], not stop).
         err = max(exc.errors(), key=lambda e: len(e.get("loc", ())))
+        content_type = request.headers.get("content-type", "")
+        if tuple(err.get("loc", ())) == ("body",) and content_type and not _is_json_type(content_type):
+            # FastAPI left the body unparsed: curl -d sends application/x-www-form-urlencoded
+            return error_json(415, f"the request body must be JSON with Content-Type: application/json, not "
+                                   f"{content_type.split(';')[0].strip()!r} (curl: add -H 'Content-Type: "
+                                   f"application/json')", "invalid_request_error", "unsupported_media_type")
         if err["type"] == "json_invalid":
             position = err["loc"][-1]
             reason = (err.get("ctx") or {}).get("error", "JSON decode error")

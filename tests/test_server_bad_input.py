@@ -101,6 +101,11 @@ CASES = [
     Case("json-number", 400, "invalid_schema", None, raw=b"42"),
     Case("json-null", 400, "invalid_schema", None, raw=b"null"),
     Case("json-not-utf8", 400, "invalid_json", None, raw=b'{"messages": "\xff\xfe"}'),
+    Case("content-type-form", 415, "unsupported_media_type", None, raw=PROBE,
+         headers={"Content-Type": "application/x-www-form-urlencoded"}),  # curl -d without -H
+    Case("content-type-text", 415, "unsupported_media_type", None, raw=PROBE, headers={"Content-Type": "text/plain"}),
+    Case("skill-content-type-form", 415, "unsupported_media_type", None, path="/v1/skills",
+         raw=b'{"name": "a", "text": "b"}', headers={"Content-Type": "application/x-www-form-urlencoded"}),
     Case("messages-missing", 400, "invalid_schema", "messages", {"model": "tiny"}, replace=True),
     Case("messages-empty", 400, "invalid_schema", "messages", chat(messages=[])),
     Case("messages-string", 400, "invalid_schema", "messages", chat(messages="hi")),
@@ -410,6 +415,18 @@ def test_bad_request_gets_a_clear_answer_and_the_connection_still_serves(live, c
         assert json.loads(probe_raw)["choices"][0]["finish_reason"] in ("stop", "length")
         if not case.closes:
             assert conn.sock is sock, "the bad request cost the client its keep-alive connection"
+    finally:
+        conn.close()
+
+
+def test_a_json_body_without_content_type_is_read_as_json(live):
+    """No Content-Type at all: the body is read as JSON (as OpenAI's API reads it), not refused."""
+    host = live.base_url.removeprefix("http://")
+    conn = http.client.HTTPConnection(host, timeout=60)
+    try:
+        response, raw = _send(conn, "POST", "/v1/chat/completions", PROBE, dict(AUTH))
+        assert response.status == 200, raw[:300]
+        assert json.loads(raw)["choices"][0]["finish_reason"] in ("stop", "length")
     finally:
         conn.close()
 
