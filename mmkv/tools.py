@@ -99,7 +99,7 @@ def check_tools(tools: Any, tool_choice: Any = None) -> ToolSpec | None:
     if isinstance(choice, dict):
         fn = choice.get("function") if choice.get("type") == "function" else None
         forced = fn.get("name") if isinstance(fn, dict) else None
-        if forced not in names:
+        if not isinstance(forced, str) or forced not in names:  # a list or dict name is no name (nor hashable)
             raise InvalidRequestError("tool_choice must name one of the tools", param="tool_choice")
         choice = "function"
     elif choice not in ("auto", "none", "required"):

@@ -6,12 +6,15 @@ responses by status.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from mmkv.errors import MMKVError
 
-from .errors import BodyTimeoutError, BodyTooLargeError, mmkv_error_response
+from .errors import BodyTimeoutError, BodyTooLargeError, error_json, mmkv_error_response
 from .metrics import ServerMetrics
+
+log = logging.getLogger("mmkv.server")
 
 ARRIVED = "mmkv.arrived"  # scope key: perf_counter() when the request reached the server
 _NOSNIFF = (b"x-content-type-options", b"nosniff")
@@ -66,9 +69,14 @@ class RequestEdge:
 
         try:
             await self.app(scope, guarded_receive, guarded_send)
-        except Exception:
-            if abort is None or started:
+        except Exception as exc:
+            if started:
                 raise
+            if abort is None:  # a bug, not the client's: answer it here, so the connection keeps serving
+                log.error("unhandled error", exc_info=exc)  # (Starlette's last resort re-raises, and
+                status = 500  # uvicorn then drops the keep-alive connection)
+                await error_json(500, "internal server error", "server_error", "internal_error")(scope, receive, send)
+                return
             status = abort.http_status
             await _close_after(mmkv_error_response(abort))(scope, receive, send)
         finally:

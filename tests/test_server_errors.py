@@ -363,6 +363,47 @@ def test_disconnect_while_queued_dequeues(live, controlled):
     assert live.metrics()['mmkv:requests_total{endpoint="/v1/chat/completions",status="499"}'] >= 1
 
 
+class BrokenSkills:
+    """The real engine with a bug in `add_skill`."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def add_skill(self, *args, **kwargs):
+        raise RuntimeError("a bug")
+
+
+def test_a_bug_is_a_json_500_and_the_connection_keeps_serving(tiny_dir):  # noqa: F811
+    """An exception no handler expects is answered here as OpenAI's 500 JSON, and the client's
+    keep-alive connection serves the next request (Starlette's last resort re-raised it, and
+    uvicorn then dropped the connection: the client saw a reset)."""
+    import http.client
+
+    server = LiveServer(create_app(BrokenSkills(mmkv.Engine.from_pretrained(tiny_dir)),
+                                   ServerSettings(api_keys=(KEY,), served_model_names=("tiny",))))
+    conn = http.client.HTTPConnection(server.base_url.removeprefix("http://"), timeout=60)
+    try:
+        headers = {**AUTH, "Content-Type": "application/json"}
+        conn.request("POST", "/v1/skills", body=json.dumps({"name": "a", "text": "b"}), headers=headers)
+        response = conn.getresponse()
+        error = json.loads(response.read())["error"]
+        assert response.status == 500 and error["code"] == "internal_error" and error["type"] == "server_error"
+        sock = conn.sock
+        conn.request("POST", "/v1/chat/completions", headers=headers, body=json.dumps(
+            {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}))
+        response = conn.getresponse()
+        assert response.status == 200, response.read()[:300]
+        response.read()
+        assert conn.sock is sock
+        assert server.metrics()['mmkv:requests_total{endpoint="/v1/skills",status="500"}'] == 1
+    finally:
+        conn.close()
+        server.close()
+
+
 def test_no_500_was_ever_answered(live):
     """Runs after every HTTP test in this module: no bad input above was answered with a 500."""
     assert not [k for k in live.metrics() if k.startswith("mmkv:requests_total") and 'status="500"' in k]

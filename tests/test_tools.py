@@ -37,6 +37,10 @@ def test_valid_tools_and_choices():
     ([{"type": "function", "function": {"name": "f", "strict": True}}], None, "tools[0].function.strict"),
     ([WEATHER] * 0 + [TIME] * 1, "sometimes", "tool_choice"),
     ([TIME], {"type": "function", "function": {"name": "get_weather"}}, "tool_choice"),
+    ([TIME], {"type": "function", "function": {"name": ["get_time"]}}, "tool_choice"),  # was a TypeError (500)
+    ([TIME], {"type": "function", "function": {"name": {"a": 1}}}, "tool_choice"),
+    ([{"type": "function", "function": {"name": "f", "description": "a \ue0021\ue003"}}], None,
+     "tools[0].function.description"),
     (None, "required", "tool_choice"),
     ([], "auto", "tool_choice"),
     ([{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)], None, "tools"),
