@@ -3,6 +3,8 @@ every answer re-derived independently of the generator, the splits regenerate by
 
 from __future__ import annotations
 
+import functools
+
 import json
 import random
 import re
@@ -290,19 +292,32 @@ def test_text_gates_record_what_decides_them():
     assert not E.build(random.Random(0), "color").gate
 
 
-def test_ask_leaves_room_for_every_answer_in_the_bundled_tokenizers():
-    """ask()'s default length fits every one-word answer of every task as the bundled models spell it."""
+SHIPPED = sorted(str(p.parent.relative_to(ROOT / "samples")) for p in (ROOT / "samples").glob("*/*/tokenizer.json"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_ask_leaves_room_for_every_answer_in_each_shipped_tokenizer(name):
+    """ask()'s budget (answer_budget) holds every answer of every type, as each shipped checkpoint's
+    tokenizer spells it, with the closing <|im_end|>: every describe answer of 1-3 objects, every
+    one-word answer, every field value. The bundled tiny models keep the old 8 / 16; the rope_theta
+    1e4 chain spells `triangle` in five pieces, so its three-object answers need more than 16."""
+    import itertools
+
     from transformers import AutoTokenizer
 
-    budget = E.ANSWER_TOKENS
-    words = {a for t in E.ANSWERS.values() for a in t} | {a for t in D.ANSWERS.values() for a in t}
-    for name in ("qwen2_5_vl-tiny", "qwen3_vl-tiny"):
-        tok = AutoTokenizer.from_pretrained(ROOT / "samples" / "models" / name, local_files_only=True)
-        longest = max(len(tok.encode(w, add_special_tokens=False)) for w in words)
-        assert longest + 1 <= budget, (name, longest)  # (+ the closing <|im_end|>)
-        describe = max(len(tok.encode(D.describe_answer([D.Obj(c, s, x, 0, 1) for x, (c, s) in enumerate(
-            [("yellow", "triangle")] * 3)]), add_special_tokens=False)) for _ in [0])
-        assert describe + 1 <= E.DESCRIBE_TOKENS, (name, describe)
+    assert {"models/qwen2_5_vl-tiny", "models/qwen3_vl-tiny"} <= set(SHIPPED)
+    tok = AutoTokenizer.from_pretrained(ROOT / "samples" / name, local_files_only=True)
+    pieces = functools.lru_cache(maxsize=None)(lambda text: len(tok.encode(text, add_special_tokens=False)))
+    pairs = list(itertools.product(D.COLORS, D.SHAPES))
+    describe = max(pieces(D.describe_answer([D.Obj(c, s, x, 0, 1) for x, (c, s) in enumerate(objs)]))
+                   for n in (1, 2, 3) for objs in itertools.product(pairs, repeat=n))
+    assert describe + 1 <= E.answer_budget(tok, "describe"), (name, describe)
+    values = {v for vs in E.FIELDS.values() for v in vs}
+    for qtype in [t for t in E.ALL_TYPES if t != "describe"]:
+        answers = E.ANSWERS.get(qtype) or D.ANSWERS.get(qtype) or values
+        assert max(map(pieces, answers)) + 1 <= E.answer_budget(tok, qtype), (name, qtype)
+    if name.startswith("models/qwen") and name.endswith("-tiny"):
+        assert (E.answer_budget(tok, "describe"), E.answer_budget(tok, "color")) == (E.DESCRIBE_TOKENS, E.ANSWER_TOKENS)
 
 
 def test_a_batch_of_text_only_episodes_trains():

@@ -39,8 +39,9 @@ def eval_command(
                                                           "many edits, a new value and one more turn each step "
                                                           "(in_place and selective@K chained on their own KV).")] = 0,
     out: Annotated[Path, typer.Option(help="Where report.json, report.md and the plot go.")] = Path("eval-out"),
-    max_new_tokens: Annotated[int | None, typer.Option(help="Greedy answer length cap. Default: 6, episodes 16 "
-                                                              "(describe's answers run to 12 tokens).")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Greedy answer length cap. Default: 6; episodes: each "
+                                                              "type's longest answer as the model's tokenizer spells "
+                                                              "it (at least 16 for describe, 8 otherwise).")] = None,
     device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:1, ...")] = None,
     dtype: Annotated[str | None, typer.Option(help="float32, bfloat16, float16.")] = None,
     threads: Annotated[int, typer.Option(help="CPU threads for torch; 0 = torch's default. Tiny models on a "
@@ -78,7 +79,7 @@ def eval_command(
             raise ValueError(f"--task must be one of {', '.join(TASKS)}")
         engine = Engine.from_pretrained(model_dir, dtype=dtype, device=device, anchor=anchor)
         common = dict(set_dir=set_dir, limit=limit or None, seed=seed, out=out,
-                      max_new_tokens=max_new_tokens or (16 if task == "episodes" else 6), engine=engine)
+                      max_new_tokens=max_new_tokens or (None if task == "episodes" else 6), engine=engine)
         if task == "episodes":
             from mmkv.vqa_eval.episodes_eval import run_episodes
 

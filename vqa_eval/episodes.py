@@ -352,8 +352,25 @@ def corpus() -> list[str]:
     return out
 
 
-#: ask()'s default answer lengths: a small tokenizer spells "previous" in six pieces.
+#: ask()'s least answer lengths (new tokens): a small tokenizer spells "previous" in six pieces.
 ANSWER_TOKENS, DESCRIBE_TOKENS = 8, 16
+MAX_DESCRIBED = 3  # objects a describe scene holds at most (dataset.py)
+
+
+def answer_budget(tokenizer, qtype: str) -> int:
+    """New tokens that hold the type's longest answer as ``tokenizer`` spells it, with the closing
+    <|im_end|>, and never fewer than ANSWER_TOKENS / DESCRIBE_TOKENS. A fixed 16 cut `describe`
+    short for a BPE that spells `triangle` in five pieces: its three-object answers take 25 tokens
+    (the rope_theta 1e4 chain's tokenizer; every such answer was scored wrong)."""
+    def pieces(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    if qtype == "describe":
+        color, shape = max(((c, s) for c in D.COLORS for s in D.SHAPES), key=lambda p: pieces(f"{p[0]} {p[1]}"))
+        longest = D.describe_answer([D.Obj(color, shape, x, 0, 1) for x in range(MAX_DESCRIBED)])
+        return max(DESCRIBE_TOKENS, pieces(longest) + 1)
+    answers = ANSWERS.get(qtype) or D.ANSWERS.get(qtype) or tuple(v for vs in FIELDS.values() for v in vs)
+    return max(ANSWER_TOKENS, max(pieces(a) for a in answers) + 1)
 
 
 def ask(model, processor, ep: Episode, max_new_tokens: int | None = None) -> str:
@@ -362,7 +379,7 @@ def ask(model, processor, ep: Episode, max_new_tokens: int | None = None) -> str
 
     text = processor.apply_chat_template(ep.prompt_messages(), tokenize=False, add_generation_prompt=True)
     enc = processor(text=[text], images=ep.images or None, return_tensors="pt").to(model.device)
-    n = max_new_tokens or (DESCRIBE_TOKENS if ep.type == "describe" else ANSWER_TOKENS)
+    n = max_new_tokens or answer_budget(processor.tokenizer, ep.type)
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=n, do_sample=False)
     return processor.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()

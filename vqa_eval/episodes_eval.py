@@ -60,9 +60,10 @@ def to_request(engine: Engine, ep: E.Episode, tenant: str) -> list[dict]:
 
 
 def run_episodes(model_dir: str | Path | None = None, set_dir: str | Path | None = None, limit: int | None = None,
-                 seed: int = 0, out: str | Path = "eval-episodes", max_new_tokens: int = 16,
+                 seed: int = 0, out: str | Path = "eval-episodes", max_new_tokens: int | None = None,
                  engine: Engine | None = None, progress: bool = True) -> dict:
-    """`limit` episodes per type (default: all 40)."""
+    """`limit` episodes per type (default: all 40). `max_new_tokens` None: each type's own budget
+    in this model's tokenizer (`episodes.answer_budget`)."""
     from tqdm import tqdm
 
     engine = engine or Engine.from_pretrained(model_dir)
@@ -75,7 +76,8 @@ def run_episodes(model_dir: str | Path | None = None, set_dir: str | Path | None
         msgs = to_request(engine, ep, tenant)
         res = {}
         for arm in random.Random(f"{seed}-{ep.id}").sample(ARMS, len(ARMS)):
-            r = engine.generate(msgs, max_new_tokens=max_new_tokens, reuse=arm != "full", tenant=tenant)
+            budget = max_new_tokens or E.answer_budget(engine.adapter.tokenizer, ep.type)
+            r = engine.generate(msgs, max_new_tokens=budget, reuse=arm != "full", tenant=tenant)
             res[arm] = {"answer": r.text.strip(), "first_token": int(r.first_logits.argmax()), "ttft_s": r.ttft_s,
                         "prompt_tokens": r.usage.prompt_tokens, "cached_tokens": r.usage.cached_tokens}
         ref = res["full"]
@@ -96,7 +98,8 @@ def run_episodes(model_dir: str | Path | None = None, set_dir: str | Path | None
                              "ttft_median_s": float(np.median([x["ttft_s"] for x in recs])),
                              "cached_tokens": float(np.mean([x["cached_tokens"] for x in recs]))}
     allrecs = [r["arms"]["splice"] for r in rows]
-    report = {"task": "episodes", **header(engine, model_dir, set_dir or DEFAULT_SPLIT, seed, limit, max_new_tokens),
+    report = {"task": "episodes", **header(engine, model_dir, set_dir or DEFAULT_SPLIT, seed, limit,
+                                                   max_new_tokens or "per type"),
               "n": len(rows), "arms": list(ARMS), "wall_s": round(time.perf_counter() - t0, 2),
               "agreement": _rate(sum(x["agree"] for x in allrecs), len(allrecs)), "summary": summary,
               "requests": rows}
