@@ -21,9 +21,10 @@ def _g(x, digits: int = 3) -> str:
 
 
 def setup_line(report: dict) -> str:
-    m, ck = report["machine"], report.get("checkpoint")
-    return (f"{report['model']}; set {Path(report['set']).name}; reference `{report['reference']}`; greedy, max "
-            f"{report['max_new_tokens']} new tokens; {m['device']} {m['dtype']}, {m['threads']} threads"
+    m, ck, cap = report["machine"], report.get("checkpoint"), report["max_new_tokens"]
+    cap = f"max {cap} new tokens" if isinstance(cap, int) else "each type's longest answer in new tokens"
+    return (f"{report['model']}; set {Path(report['set']).name}; reference `{report['reference']}`; greedy, "
+            f"{cap}; {m['device']} {m['dtype']}, {m['threads']} threads"
             + (f"; checkpoint {ck['steps']} steps" if ck else "") + ".")
 
 
