@@ -74,9 +74,8 @@ def run_episodes(model_dir: str | Path | None = None, set_dir: str | Path | None
     for ep in tqdm(eps, desc="episodes", unit="ep", disable=not progress):
         tenant = f"episodes/{ep.id}"
         msgs = to_request(engine, ep, tenant)
-        res = {}
+        res, budget = {}, max_new_tokens or E.answer_budget(engine.adapter.tokenizer, ep.type)
         for arm in random.Random(f"{seed}-{ep.id}").sample(ARMS, len(ARMS)):
-            budget = max_new_tokens or E.answer_budget(engine.adapter.tokenizer, ep.type)
             r = engine.generate(msgs, max_new_tokens=budget, reuse=arm != "full", tenant=tenant)
             res[arm] = {"answer": r.text.strip(), "first_token": int(r.first_logits.argmax()), "ttft_s": r.ttft_s,
                         "prompt_tokens": r.usage.prompt_tokens, "cached_tokens": r.usage.cached_tokens}
