@@ -25,6 +25,7 @@ from mmkv.messages import check_text
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
+MAX_SCHEMA_DEPTH = 32  # nesting of a tool's parameters (OpenAI's strict mode allows 5-10); a deeper one is a 400
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 
@@ -111,17 +112,18 @@ def check_tools(tools: Any, tool_choice: Any = None) -> ToolSpec | None:
 def _check_strings(value: Any, param: str) -> None:
     """Every string of a tool's description or schema (keys too) is a client's text, rendered
     into the prompt: the same reserved-token checks as message text (mmkv.messages). Iterative,
-    so a deeply nested schema is no recursion error."""
-    stack = [value]
+    and nesting is bounded (MAX_SCHEMA_DEPTH): the prompt's escaping and the chat template's
+    `tojson` walk the schema recursively, so a deeper one is refused here, not a RecursionError."""
+    stack = [(value, 0)]
     while stack:
-        item = stack.pop()
+        item, depth = stack.pop()
         if isinstance(item, str):
             check_text(item, param)
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
+        elif isinstance(item, dict | list):
+            if depth >= MAX_SCHEMA_DEPTH:
+                raise InvalidRequestError(f"{param} is nested deeper than {MAX_SCHEMA_DEPTH} levels", param=param)
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
 
 
 def template_supports_tools(chat_template: str | None) -> bool:

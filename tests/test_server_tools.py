@@ -91,3 +91,31 @@ def test_bad_tools_are_400_naming_the_field(qwen3_server, tiny_dirs):
         tiny.client().chat.completions.create(model="tiny", messages=HISTORY[:2], max_tokens=2, tools=[WEATHER])
     assert err.value.body["param"] == "tools"
     tiny.server.should_exit = True
+
+
+@pytest.mark.parametrize("depth", [33, 450])
+def test_a_deeply_nested_tool_schema_is_400_not_a_recursion_error(qwen3_server, depth):
+    """The prompt's escaping and the template's `tojson` walk a schema recursively: one nested
+    near Python's recursion limit (still valid JSON) was a 500; it is refused with 400, and a
+    schema at the bound still renders."""
+    import httpx
+
+    live, _ = qwen3_server
+
+    def nested(n):
+        body = "{}"
+        for _ in range(n):
+            body = '{"type": "object", "properties": {"x": ' + body + "}}"
+        return body
+
+    def send(n):
+        tool = '{"type": "function", "function": {"name": "f", "parameters": ' + nested(n) + "}}"
+        body = '{"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], "tools": [' + tool + "]}"
+        return httpx.post(f"{live.base_url}/v1/chat/completions", content=body,
+                          headers={"Content-Type": "application/json"}, timeout=60)
+
+    reply = send(depth)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "tools[0].function.parameters"
+    assert "nested deeper than 32" in reply.json()["error"]["message"]
+    assert send(15).status_code == 200  # 15 objects deep = 31 levels of dicts: within the bound
