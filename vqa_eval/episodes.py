@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import random
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -361,7 +362,21 @@ def answer_budget(tokenizer, qtype: str) -> int:
     """New tokens that hold the type's longest answer as ``tokenizer`` spells it, with the closing
     <|im_end|>, and never fewer than ANSWER_TOKENS / DESCRIBE_TOKENS. A fixed 16 cut `describe`
     short for a BPE that spells `triangle` in five pieces: its three-object answers take 25 tokens
-    (the rope_theta 1e4 chain's tokenizer; every such answer was scored wrong)."""
+    (the rope_theta 1e4 chain's tokenizer; every such answer was scored wrong). Computed once per
+    tokenizer and type (it encodes a dozen strings; ask() runs per episode)."""
+    try:
+        cache = _BUDGETS.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that takes no weak reference: computed each time
+        cache = {}
+    if qtype not in cache:
+        cache[qtype] = _answer_budget(tokenizer, qtype)
+    return cache[qtype]
+
+
+_BUDGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {type: budget}
+
+
+def _answer_budget(tokenizer, qtype: str) -> int:
     def pieces(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
