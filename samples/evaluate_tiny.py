@@ -320,14 +320,20 @@ def by_block(eps: dict[str, list], hits: list[dict[str, list[bool]]], names: lis
 
 
 def validate(dirs: list[Path], n: int, prefix: str = "sel", types: list[str] | None = None,
-             block_sizes: bool = False, image_free: bool = False) -> str:
+             block_sizes: bool = False, image_free: bool = False, record: dict | None = None) -> str:
     """Markdown table: each checkpoint's exact-match hits per type on :func:`validation_episodes`
-    (with ``block_sizes``, also the block-read types by field-block size: :func:`by_block`)."""
+    (with ``block_sizes``, also the block-read types by field-block size: :func:`by_block`).
+    ``record``, when given, receives every item: its label and each checkpoint's answer (``--json``)."""
     eps = validation_episodes(n, prefix, types, image_free)
-    hits = []
+    hits, answers = [], []
     for d in dirs:
         model, processor = load(d)
-        hits.append({t: [E.ask(model, processor, ep) == ep.answer for ep in group] for t, group in eps.items()})
+        answers.append({t: [E.ask(model, processor, ep) for ep in group] for t, group in eps.items()})
+        hits.append({t: [a == ep.answer for a, ep in zip(answers[-1][t], eps[t])] for t in eps})
+    if record is not None:
+        record.update(prefix=prefix, n=n, models=[str(d) for d in dirs],
+                      items={t: [{"label": ep.answer, "answers": [a[t][i] for a in answers]} for i, ep in enumerate(g)]
+                             for t, g in eps.items()})
     lines = ["| type | n | " + " | ".join(d.name for d in dirs) + " |", "|---|---|" + "---|" * len(dirs)]
     lines += [f"| {t} | {len(g)} | " + " | ".join(str(sum(h[t])) for h in hits) + " |" for t, g in eps.items()]
     if len(dirs) > 1:
@@ -347,7 +353,7 @@ def main(argv=None) -> None:
     ap.add_argument("--heldout-set", action="append", default=None,
                     help="a held-out drawing style split, repeatable (default: heldout_style and heldout_dark; '' skips them)")
     ap.add_argument("--episodes", default=str(EPISODES), help="committed conversation split ('' skips it)")
-    ap.add_argument("--json", default=None, help="write the full results here")
+    ap.add_argument("--json", default=None, help="write the full results here (with --validation: every item's label and answers)")
     ap.add_argument("--write-expectations", action="store_true",
                     help=f"store the answers to the fixed test items in {EXPECTATIONS.relative_to(ROOT)}")
     ap.add_argument("--validation", type=int, default=0, metavar="N",
@@ -377,7 +383,10 @@ def main(argv=None) -> None:
             validation_types(args.validation_seed, types)  # refuses a bad prefix or type before any model loads
         except ValueError as e:
             ap.error(str(e))
-        print(validate(dirs, args.validation, args.validation_seed, types, args.by_block, args.image_free))
+        record = {}
+        print(validate(dirs, args.validation, args.validation_seed, types, args.by_block, args.image_free, record))
+        if args.json:
+            Path(args.json).write_text(json.dumps(record, indent=1))
         return
     items = load_vqa_set(args.set)
     if args.limit:

@@ -268,7 +268,7 @@ def test_expectations_are_written_only_for_bundled_checkpoints(tmp_path):
     assert ev.bundled_only([]) == ([], [])
 
 
-def test_validation_check_draws_fresh_conversations_and_scores_them():
+def test_validation_check_draws_fresh_conversations_and_scores_them(tmp_path):
     """`evaluate_tiny.py --validation N` (the check before bundling): N conversations per type with
     0-2 earlier image turns, N // 2 per image type in `shadow`, none a committed episode; the table
     counts exact-match hits per checkpoint."""
@@ -287,11 +287,21 @@ def test_validation_check_draws_fresh_conversations_and_scores_them():
     table = ev.validate([_checkpoint_dir("qwen2_5_vl-tiny")], 1)
     rows = [r.split(" | ") for r in table.splitlines()[2:]]
     assert len(rows) == len(ev.validation_episodes(1)) and all(0 <= int(r[2].rstrip(" |")) <= int(r[1]) for r in rows)
-    two = ev.validate([_checkpoint_dir("qwen2_5_vl-tiny")] * 2, 1, types=["field_gate"]).split("\n\n")[1]
+    record = {}
+    two = ev.validate([_checkpoint_dir("qwen2_5_vl-tiny")] * 2, 1, types=["field_gate"], record=record).split("\n\n")[1]
     assert "| field_gate | 1 |" in two and two.rstrip().endswith("| 0 | 0 | 1.00 |")  # (a checkpoint against itself)
+    item = record["items"]["field_gate"][0]  # --json: each item's label and every checkpoint's answer
+    assert record["prefix"] == "sel" and item["label"] in ("refund", "escalate") and len(item["answers"]) == 2
+    assert item["answers"][0] == item["answers"][1] and (f"| 1 | {_checkpoint_dir('qwen2_5_vl-tiny')} | {int(item['answers'][1] == item['label'])} |" in two)
     res = subprocess.run([sys.executable, str(ROOT / "samples" / "evaluate_tiny.py"), "--validation", "-1"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 2 and "--validation" in res.stderr
+    out = tmp_path / "v.json"  # --json is written, not ignored, under --validation
+    res = subprocess.run([sys.executable, str(ROOT / "samples" / "evaluate_tiny.py"), "--validation", "1",
+                          "--validation-types", "field_gate", "--model", str(_checkpoint_dir("qwen2_5_vl-tiny")),
+                          "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert set(json.loads(out.read_text())["items"]) == {"field_gate"}
 
 
 def test_by_block_splits_the_block_read_types_by_field_lines():
