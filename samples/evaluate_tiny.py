@@ -319,6 +319,13 @@ def by_block(eps: dict[str, list], hits: list[dict[str, list[bool]]], names: lis
     return "\n".join(lines)
 
 
+def same_objects(answer: str, label: str) -> bool:
+    """Whether a ``describe`` answer names the label's objects (as a multiset), in any order."""
+    def objects(text: str) -> list[str]:
+        return sorted(" ".join(o.split()) for o in text.split(","))
+    return objects(answer) == objects(label)
+
+
 def validate(dirs: list[Path], n: int, prefix: str = "sel", types: list[str] | None = None,
              block_sizes: bool = False, image_free: bool = False, record: dict | None = None) -> str:
     """Markdown table: each checkpoint's exact-match hits per type on :func:`validation_episodes`
@@ -336,6 +343,9 @@ def validate(dirs: list[Path], n: int, prefix: str = "sel", types: list[str] | N
                              for t, g in eps.items()})
     lines = ["| type | n | " + " | ".join(d.name for d in dirs) + " |", "|---|---|" + "---|" * len(dirs)]
     lines += [f"| {t} | {len(g)} | " + " | ".join(str(sum(h[t])) for h in hits) + " |" for t, g in eps.items()]
+    if "describe" in eps:  # a miss that names the right objects in the wrong order is a placement error
+        lines.append(f"| describe: objects in any order | {len(eps['describe'])} | " + " | ".join(
+            str(sum(same_objects(x, ep.answer) for x, ep in zip(a["describe"], eps["describe"]))) for a in answers) + " |")
     if len(dirs) > 1:
         lines += ["", paired([str(d) for d in dirs], hits)]
     if block_sizes:

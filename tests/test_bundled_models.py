@@ -286,7 +286,9 @@ def test_validation_check_draws_fresh_conversations_and_scores_them(tmp_path):
             assert _conversation_key(ep.prompt_messages(), [sc.to_json() for sc in ep.scenes]) not in committed
     table = ev.validate([_checkpoint_dir("qwen2_5_vl-tiny")], 1)
     rows = [r.split(" | ") for r in table.splitlines()[2:]]
-    assert len(rows) == len(ev.validation_episodes(1)) and all(0 <= int(r[2].rstrip(" |")) <= int(r[1]) for r in rows)
+    assert len(rows) == len(ev.validation_episodes(1)) + 1 and all(0 <= int(r[2].rstrip(" |")) <= int(r[1]) for r in rows)
+    assert rows[-1][0] == "| describe: objects in any order" and int(rows[-1][2].rstrip(" |")) >= int(
+        next(r for r in rows if r[0] == "| describe")[2].rstrip(" |"))  # an exact match is also an any-order match
     record = {}
     two = ev.validate([_checkpoint_dir("qwen2_5_vl-tiny")] * 2, 1, types=["field_gate"], record=record).split("\n\n")[1]
     assert "| field_gate | 1 |" in two and two.rstrip().endswith("| 0 | 0 | 1.00 |")  # (a checkpoint against itself)
@@ -302,6 +304,19 @@ def test_validation_check_draws_fresh_conversations_and_scores_them(tmp_path):
                           "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     assert set(json.loads(out.read_text())["items"]) == {"field_gate"}
+
+
+def test_same_objects_ignores_order_but_not_repeats_or_extras():
+    """The `describe: objects in any order` row of `--validation`: R25e's misses were the right
+    objects out of order, a repeated object, an extra one; only the first is an any-order match."""
+    ev = _evaluate_tiny()
+    label = "red circle , blue square , green triangle"
+    assert ev.same_objects("blue square , red circle , green triangle", label)
+    assert ev.same_objects(label, label)
+    assert not ev.same_objects("red circle , red circle , green triangle", label)
+    assert not ev.same_objects("red circle , blue square", label)
+    assert not ev.same_objects(label + " , red square", label)
+    assert not ev.same_objects("red square , blue circle , green triangle", label)
 
 
 def test_by_block_splits_the_block_read_types_by_field_lines():
