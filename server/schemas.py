@@ -233,6 +233,9 @@ class ChatCompletionRequest(BaseModel):
     def _combinations(self) -> ChatCompletionRequest:
         if self.n != 1:
             raise UnsupportedParameterError(f"n={self.n} is not supported; only one choice per request", param="n")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:  # as OpenAI: one would be ignored
+            raise InvalidRequestError("max_tokens and max_completion_tokens cannot both be set; max_tokens is the "
+                                      "deprecated name of max_completion_tokens, send one", param="max_tokens")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
         if self.stream_options is not None and not self.stream:  # as OpenAI: not silently dropped

@@ -212,6 +212,7 @@ CASES = [
     Case("max-tokens-float", 400, "invalid_schema", "max_tokens", chat(max_tokens=1e9)),
     Case("max-tokens-past-context", 400, "context_length_exceeded", "messages", chat(max_tokens=10**7)),
     Case("max-completion-tokens-zero", 400, "invalid_schema", "max_completion_tokens", chat(max_completion_tokens=0)),
+    Case("max-tokens-and-max-completion-tokens", 400, "invalid_request", "max_tokens", chat(max_tokens=3, max_completion_tokens=2)),
     Case("seed-2-64", 400, "invalid_schema", "seed", chat(seed=2**64)),
     Case("seed-1e30", 400, "invalid_schema", "seed", chat(seed=1e30)),
     Case("seed-below-int64", 400, "invalid_schema", "seed", chat(seed=-(2**63) - 1)),
