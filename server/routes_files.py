@@ -13,7 +13,7 @@ from mmkv.errors import InvalidImageError, InvalidRequestError, UnknownImageErro
 from .context import ServerContext
 from .files import FileQuotaError, FileStoreFullError, StoredFile, new_stored_file
 from .pagination import PageQuery, page_query, paginate
-from .schemas import FileDeleted, FileList, FileObject
+from .schemas import FileDeleted, FileList, FileObject, UnsupportedParameterError
 
 
 def files_router(ctx: ServerContext) -> APIRouter:
@@ -26,6 +26,7 @@ def files_router(ctx: ServerContext) -> APIRouter:
         """Store an image, decode and check it, and precompile its KV. Same bytes, same id."""
         if purpose != "vision":
             raise InvalidRequestError(f"purpose must be 'vision', got {purpose!r}", param="purpose")
+        _only_file_and_purpose(await request.form())
         data = await file.read()
         if not data:
             raise InvalidImageError("the uploaded file is empty", param="file")
@@ -82,6 +83,18 @@ def files_router(ctx: ServerContext) -> APIRouter:
         return FileDeleted(id=file_id)
 
     return router
+
+
+def _only_file_and_purpose(form) -> None:
+    """Refuse, before anything is stored, a form field this endpoint would otherwise drop: OpenAI's
+    ``expires_after[...]`` (uploads here stay until deleted), any other field, a second file."""
+    extra = sorted({k for k in form.keys() if k not in ("file", "purpose")})
+    if extra:
+        name = extra[0].split("[", 1)[0]
+        why = "; uploads stay until DELETE /v1/files/{id}" if name == "expires_after" else ""
+        raise UnsupportedParameterError(f"{name} is not supported by this server{why}; remove it", param=name)
+    if len(form.getlist("file")) > 1:
+        raise InvalidRequestError("one file per upload: send each image in its own request", param="file")
 
 
 def _file_object(f: StoredFile) -> FileObject:

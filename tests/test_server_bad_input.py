@@ -309,6 +309,14 @@ CASES = [
          files={"file": ("a.png", _png((4, 4)), "image/png")}, data={"purpose": "vision"}),
     Case("upload-bomb", 400, "image_too_large", "file", path="/v1/files",
          files={"file": ("a.png", _header_bomb(), "image/png")}, data={"purpose": "vision"}),
+    Case("upload-expires-after", 400, "unsupported_parameter", "expires_after", path="/v1/files",
+         files={"file": ("a.png", png_bytes((1, 2, 3)), "image/png")},
+         data={"purpose": "vision", "expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"}),
+    Case("upload-unknown-field", 400, "unsupported_parameter", "tags", path="/v1/files",
+         files={"file": ("a.png", png_bytes((1, 2, 3)), "image/png")}, data={"purpose": "vision", "tags": "x"}),
+    Case("upload-two-files", 400, "invalid_request", "file", path="/v1/files",
+         files=[("file", ("a.png", png_bytes((1, 2, 3)), "image/png")), ("file", ("b.png", png_bytes((3, 2, 1)), "image/png"))],
+         data={"purpose": "vision"}),
     Case("upload-json-body", 400, "invalid_schema", "file", path="/v1/files", body={"file": "x"}, replace=True),
     Case("file-get-unknown", 404, "image_not_found", "file_id", method="GET", path="/v1/files/img-nope"),
     Case("file-content-unknown", 404, "image_not_found", "file_id", method="GET", path="/v1/files/img-nope/content"),
@@ -399,6 +407,8 @@ def test_bad_request_gets_a_clear_answer_and_the_connection_still_serves(live, c
     host = live.base_url.removeprefix("http://")
     conn = http.client.HTTPConnection(host, timeout=60)
     try:
+        uploads = case.method == "POST" and case.path == "/v1/files"
+        before = _send(conn, "GET", "/v1/files?limit=10000", None, dict(AUTH))[1] if uploads else None
         body, headers = _request(case, host)
         response, raw = _send(conn, case.method, case.path, body, headers)
         assert response.status == case.status, raw[:500]
@@ -416,6 +426,8 @@ def test_bad_request_gets_a_clear_answer_and_the_connection_still_serves(live, c
         assert json.loads(probe_raw)["choices"][0]["finish_reason"] in ("stop", "length")
         if not case.closes:
             assert conn.sock is sock, "the bad request cost the client its keep-alive connection"
+        if uploads:  # a refused upload stores nothing
+            assert _send(conn, "GET", "/v1/files?limit=10000", None, dict(AUTH))[1] == before
     finally:
         conn.close()
 
