@@ -17,27 +17,36 @@ from mmkv.errors import InvalidRequestError
 # ---------------------------------------------------------------- requests
 
 
+_PART = ConfigDict(extra="forbid")  # a key a part does not define is refused, not dropped
+
+
 class TextPart(BaseModel):
+    model_config = _PART
     type: Literal["text"]
     text: str
 
 
 class ImageURL(BaseModel):
+    model_config = _PART
     url: str
     detail: Literal["auto", "low", "high"] | None = None
 
 
 class ImageURLPart(BaseModel):
+    model_config = _PART
     type: Literal["image_url"]
     image_url: ImageURL
 
 
 class ImageFile(BaseModel):
+    model_config = _PART
     file_id: str
 
 
 class ImageFilePart(BaseModel):
     """An image uploaded once through /v1/files, referenced by id (the Assistants API shape)."""
+
+    model_config = _PART
 
     type: Literal["image_file"]
     image_file: ImageFile
@@ -46,6 +55,8 @@ class ImageFilePart(BaseModel):
 class SkillPart(BaseModel):
     """A text skill precompiled through /v1/skills, spliced in at this place."""
 
+    model_config = _PART
+
     type: Literal["skill"]
     skill_id: str = Field(min_length=1)
 
@@ -53,7 +64,7 @@ class SkillPart(BaseModel):
 class StateUpdatePart(BaseModel):
     """Renders the erratum line: '[STATE UPDATE] <field> has just changed to <value>; ...'."""
 
-    model_config = ConfigDict(allow_inf_nan=False)  # NaN is not a value to render, as in the request's floats
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN is not a value to render, as in the request's floats
 
     type: Literal["state_update"]
     field: str = Field(min_length=1)
@@ -73,6 +84,9 @@ def parse_content_part(raw: Any, param: str) -> TextPart | ImageURLPart | ImageF
     except ValidationError as exc:
         err = exc.errors()[0]
         kind = raw.get("type") if isinstance(raw, dict) else None
+        if err["type"] == "extra_forbidden":
+            where = param + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"][1:])
+            raise UnsupportedParameterError(f"{where} is not supported by this server; remove it", param=where) from None
         if err["loc"]:  # (tag, field, ...): a known part type with a bad field
             field = ".".join(str(p) for p in err["loc"][1:])
             message = f"invalid {kind} part: {field}: {err['msg']}"
