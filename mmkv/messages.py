@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,15 @@ def check_text(value: Any, param: str) -> str:
                    else f"U+{ord(token):04X}, a private-use character mmkv reserves for its own markers")
             raise InvalidRequestError(f"{param} contains {why}", param=param)
     return value
+
+
+def one_line(value: Any, param: str) -> str:
+    """:func:`check_text` for a piece of the one-line erratum: a line break or other control
+    character would split it, and let a value write a second, unmarked line into the prompt."""
+    text = check_text(value, param)
+    if any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in text):
+        raise InvalidRequestError(f"{param} must be one line, without control characters", param=param)
+    return text
 
 
 def _image_part(part: dict, param: str) -> ImageRef:
@@ -163,7 +173,7 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | SkillRef]
                 field, value = part.get("field"), part.get("value")
                 if not isinstance(field, str) or not field.strip() or not isinstance(value, (str, int, float, bool)):
                     raise InvalidRequestError(f"{pparam} needs a string field and a scalar value", param=pparam)
-                text = erratum_line(check_text(field, f"{pparam}.field"), check_text(str(value), f"{pparam}.value"))
+                text = erratum_line(one_line(field, f"{pparam}.field"), one_line(str(value), f"{pparam}.value"))
                 parts.append({"type": "text", "text": text + "\n"})
             elif kind in ("image_url", "image_file", "image"):
                 if role not in ("user", "system"):
