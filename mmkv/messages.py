@@ -129,11 +129,40 @@ def _attach_tool_calls(out: dict, msg: dict, param: str) -> None:
     out["tool_calls"] = kept
 
 
+def _check_tool_results(messages: list) -> None:
+    """As OpenAI: a ``tool`` message answers a call of the assistant message just before it (or
+    before the tool messages that follow that one), names it by ``tool_call_id``, once. The
+    templates place tool results by order only, so an id that matches no call would otherwise be
+    dropped unseen."""
+    open_ids: set[str] | None = None  # the calls the latest assistant made and no tool answered yet
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            return  # parse_messages names it
+        param = f"messages[{i}]"
+        if msg.get("role") != "tool":
+            calls = msg.get("tool_calls") if msg.get("role") == "assistant" else None
+            open_ids = {str(c.get("id")) for c in calls if isinstance(c, dict) and c.get("id")} \
+                if isinstance(calls, list) and calls else None
+            continue
+        if open_ids is None:
+            raise InvalidRequestError(f"{param}: a tool message must answer a tool call of the assistant message "
+                                      f"before it", param=f"{param}.role")
+        call_id = msg.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise InvalidRequestError(f"{param}.tool_call_id is required: the id of the call this message answers",
+                                      param=f"{param}.tool_call_id")
+        if call_id not in open_ids:
+            raise InvalidRequestError(f"{param}.tool_call_id {call_id!r} names no unanswered call of the assistant "
+                                      f"message before it (open: {sorted(open_ids)})", param=f"{param}.tool_call_id")
+        open_ids.discard(call_id)
+
+
 def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | SkillRef]]:
     """Validate `messages`; return template messages (images as {"type": "image"}, skills as a
     marker text) and the image and skill references in order."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
+    _check_tool_results(messages)
     out, refs = [], []
     for i, msg in enumerate(messages):
         param = f"messages[{i}]"

@@ -232,6 +232,12 @@ def _chunk_logprobs(logprobs: list, wanted: bool) -> ChoiceLogprobs | None:
     return _choice_logprobs(logprobs) if wanted else None
 
 
+def _tool_fields(message) -> dict[str, Any]:
+    """An assistant message's calls and a tool message's call id, for the engine to check."""
+    return ({"tool_calls": message.tool_calls} if message.tool_calls else {}) \
+        | ({"tool_call_id": message.tool_call_id} if message.tool_call_id is not None else {})
+
+
 async def engine_messages(ctx: ServerContext, body: ChatCompletionRequest, tenant: str) -> list[dict[str, Any]]:
     """The request's messages in the engine's shape, every part checked: image_file ids must be
     the tenant's files (404); image URLs must be data: URLs or allowed (fetched here, 400); inline
@@ -243,8 +249,7 @@ async def engine_messages(ctx: ServerContext, body: ChatCompletionRequest, tenan
             raise InvalidRequestError(f"messages[{i}].content is required for role {message.role!r}",
                                       param=f"messages[{i}].content")
         if message.content is None or isinstance(message.content, str):
-            out.append({"role": role, "content": message.content or ""}
-                       | ({"tool_calls": message.tool_calls} if message.tool_calls else {}))
+            out.append({"role": role, "content": message.content or ""} | _tool_fields(message))
             continue
         parts = []
         for j, raw in enumerate(message.content):
@@ -258,7 +263,7 @@ async def engine_messages(ctx: ServerContext, body: ChatCompletionRequest, tenan
                 raise InvalidRequestError(f"at most {ctx.settings.max_images_per_request} images per request",
                                           param=param)
             parts.append(await _engine_image_part(ctx, part, param, tenant, inline))
-        out.append({"role": role, "content": parts} | ({"tool_calls": message.tool_calls} if message.tool_calls else {}))
+        out.append({"role": role, "content": parts} | _tool_fields(message))
     return out
 
 

@@ -88,6 +88,8 @@ def img(url: str, **extra) -> dict:
     return {"type": "image_url", "image_url": {"url": url, **extra}}
 
 
+CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]}
 P0 = "messages[0].content[0]"
 U0 = f"{P0}.image_url.url"
 
@@ -116,6 +118,14 @@ CASES = [
     Case("role-number", 400, "invalid_schema", "messages[0].role", chat(messages=[{"role": 1, "content": "x"}])),
     Case("tool-call-id-on-user", 400, "unsupported_parameter", "messages[0].tool_call_id",
          chat(messages=[{"role": "user", "content": "hi", "tool_call_id": "c1"}])),
+    Case("tool-message-without-a-call", 400, "invalid_request", "messages[1].role",
+         chat(messages=[*HI, {"role": "tool", "tool_call_id": "c1", "content": "7 C"}])),
+    Case("tool-message-without-id", 400, "invalid_request", "messages[2].tool_call_id",
+         chat(messages=[*HI, CALLED, {"role": "tool", "content": "7 C"}])),
+    Case("tool-message-unknown-id", 400, "invalid_request", "messages[2].tool_call_id",
+         chat(messages=[*HI, CALLED, {"role": "tool", "tool_call_id": "c9", "content": "7 C"}])),
+    Case("tool-message-answers-twice", 400, "invalid_request", "messages[3].tool_call_id",
+         chat(messages=[*HI, CALLED, *[{"role": "tool", "tool_call_id": "c1", "content": "7 C"}] * 2])),
     Case("role-function", 400, "unsupported_parameter", "messages[1].role",
          chat(messages=[*HI, {"role": "function", "name": "f", "content": "x"}])),
     Case("content-number", 400, "invalid_schema", "messages[0].content", chat(messages=[{"role": "user", "content": 5}])),
