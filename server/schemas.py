@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from mmkv.errors import InvalidRequestError
 
+from .errors import field_path
+
 # ---------------------------------------------------------------- requests
 
 
@@ -85,7 +87,7 @@ def parse_content_part(raw: Any, param: str) -> TextPart | ImageURLPart | ImageF
         err = exc.errors()[0]
         kind = raw.get("type") if isinstance(raw, dict) else None
         if err["type"] == "extra_forbidden":
-            where = param + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"][1:])
+            where = f"{param}.{field_path(err['loc'][1:])}"
             raise UnsupportedParameterError(f"{where} is not supported by this server; remove it", param=where) from None
         if err["loc"]:  # (tag, field, ...): a known part type with a bad field
             field = ".".join(str(p) for p in err["loc"][1:])
