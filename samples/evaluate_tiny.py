@@ -24,6 +24,7 @@ control passes (issue 3) when the shuffled accuracy is within 0.10 of chance.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
@@ -287,18 +288,20 @@ def validation_episodes(n: int, prefix: str = "sel", types: list[str] | None = N
                         image_free: bool = False) -> dict[str, list]:
     """Fresh validation conversations for choosing between checkpoints: ``n`` per type from string
     seeds ``<prefix>-<type>-<i>`` (never a training, monitor or committed seed), with 0-2 earlier
-    image turns as in the committed conversation split, and ``n // 2`` per image type in the
-    ``shadow`` style (key ``shadow:<type>``, single questions). ``types`` keeps only those types
-    (and their ``shadow:`` rows). ``image_free``: no image turns before the task's own (the probe for
+    image turns as in the committed conversation split, and ``n // 2`` per image type in each
+    held-out style (keys ``shadow:<type>`` and ``dark:<type>``, single questions; neither style is
+    ever trained on). ``types`` keeps only those types (and their held-out rows). ``image_free``: no image turns before the task's own (the probe for
     a checkpoint trained on text only: ``field_gate`` and the lookups then hold no image;
     ``erratum_gate`` keeps the filler image turns it draws between errata). A set that has already chosen
     between checkpoints is a selection set: confirm the final choice on a new ``prefix``."""
     kept = validation_types(prefix, types)
     before = 0 if image_free else None
     eps = {t: [E.build(random.Random(f"{prefix}-{t}-{i}"), t, before=before) for i in range(n)] for t in kept}
-    for t in (t for t in TYPES if t in kept):
-        eps[f"shadow:{t}"] = [E.build(random.Random(f"{prefix}-shadow-{t}-{i}"), t, before=0, draw=D.render_heldout)
-                              for i in range(n // 2)]
+    for style in D.HELDOUT_STYLES:
+        draw = functools.partial(D.render_styled, style=style)
+        for t in (t for t in TYPES if t in kept):
+            eps[f"{style}:{t}"] = [E.build(random.Random(f"{prefix}-{style}-{t}-{i}"), t, before=0, draw=draw)
+                                   for i in range(n // 2)]
     return eps
 
 

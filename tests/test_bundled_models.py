@@ -270,13 +270,17 @@ def test_expectations_are_written_only_for_bundled_checkpoints(tmp_path):
 
 def test_validation_check_draws_fresh_conversations_and_scores_them(tmp_path):
     """`evaluate_tiny.py --validation N` (the check before bundling): N conversations per type with
-    0-2 earlier image turns, N // 2 per image type in `shadow`, none a committed episode; the table
-    counts exact-match hits per checkpoint."""
+    0-2 earlier image turns, N // 2 per image type in each held-out style (`shadow`, `dark`), none a
+    committed episode; the table counts exact-match hits per checkpoint."""
     ev = _evaluate_tiny()
     eps = ev.validation_episodes(6)
     assert {t for t in eps if ":" not in t} == set(ev.TYPES) | set(ev.E.SPLIT_TYPES)
     assert all(len(g) == 6 for t, g in eps.items() if ":" not in t)
-    assert all(len(eps[f"shadow:{t}"]) == 3 for t in ev.TYPES)
+    assert all(len(eps[f"{style}:{t}"]) == 3 for t in ev.TYPES for style in ("shadow", "dark"))
+    shadow = ev.E.build(ev.random.Random("sel-shadow-count-0"), "count", before=0, draw=ev.D.render_heldout)
+    assert eps["shadow:count"][0].images[0].tobytes() == shadow.images[0].tobytes()  # the rows earlier sets drew
+    assert eps["dark:count"][0].images[0].size != shadow.images[0].size or (
+        eps["dark:count"][0].images[0].tobytes() != shadow.images[0].tobytes())
     earlier = {len(ep.images) - 1 for ep in eps["color"]} | {len(ep.images) - 1 for ep in eps["shape"]}
     assert earlier == {0, 1, 2}
     rows = [json.loads(line) for line in (ROOT / "samples" / "vqa" / "episodes" / "episodes.jsonl").open()]
@@ -352,7 +356,7 @@ def test_image_free_validation_set_has_no_image_turns_and_the_same_seeds():
     ev = _evaluate_tiny()
     types = ["field_gate", "field_value", "count"]
     free, usual = ev.validation_episodes(8, "sel", types, image_free=True), ev.validation_episodes(8, "sel", types)
-    assert free.keys() == usual.keys() == {*types, "shadow:count"}
+    assert free.keys() == usual.keys() == {*types, "shadow:count", "dark:count"}
     assert "field_value" not in ev.validation_episodes(1) and "policy_value" not in ev.validation_episodes(1)
     assert all(not ep.images for t in ("field_gate", "field_value") for ep in free[t])
     assert all(len(ep.images) == 1 for ep in free["count"])
@@ -366,7 +370,7 @@ def test_image_free_validation_set_has_no_image_turns_and_the_same_seeds():
 
 def test_validation_set_takes_a_new_seed_prefix_and_a_type_subset():
     """A selection set is confirmed on a new prefix: other seeds give other conversations of the same
-    types; `types` keeps those types and their `shadow:` rows; a reserved or odd prefix and an unknown
+    types; `types` keeps those types and their held-out rows; a reserved or odd prefix and an unknown
     type are refused, on the command line with exit 2 before any model loads."""
     ev = _evaluate_tiny()
     def key(ep) -> str:
@@ -377,7 +381,7 @@ def test_validation_set_takes_a_new_seed_prefix_and_a_type_subset():
     assert not {key(ep) for g in sel.values() for ep in g} & {key(ep) for g in new.values() for ep in g}
     assert [key(ep) for ep in ev.validation_episodes(4)["field_gate"]] == [key(ep) for ep in sel["field_gate"]]
     sub = ev.validation_episodes(4, "confirm1", ["count", "field_gate"])
-    assert set(sub) == {"count", "field_gate", "shadow:count"}
+    assert set(sub) == {"count", "field_gate", "shadow:count", "dark:count"}
     assert [key(ep) for ep in sub["count"]] == [key(ep) for ep in new["count"]]
     for bad in ("val", "valh", "train", "vqa", "sel-2", ""):
         with pytest.raises(ValueError, match="prefix"):
