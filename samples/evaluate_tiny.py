@@ -245,8 +245,14 @@ def markdown(results: list[dict]) -> str:
 def paired(names: list[str], hits: list[dict[str, list[bool]]]) -> str:
     """Markdown table: each checkpoint after the first against the first, item by item on the same
     items: hits of each, the items now right and now wrong, and the exact McNemar p of the change.
-    A ``text gates`` row pools the three text gates (the rule that chooses a bundle)."""
-    pooled = [{**h, "text gates": [x for t in E.TEXT_TYPES if t in h for x in h[t]]} for h in hits]
+    A ``text gates`` row pools the three text gates (the rule that chooses a bundle), a ``<style>:
+    all`` row each held-out style's rows."""
+    def pool(h: dict[str, list[bool]]) -> dict[str, list[bool]]:
+        out = {**h, "text gates": [x for t in E.TEXT_TYPES if t in h for x in h[t]]}
+        for style in D.HELDOUT_STYLES:
+            out[f"{style}: all"] = [x for t in TYPES for x in h.get(f"{style}:{t}", [])]
+        return out
+    pooled = [pool(h) for h in hits]
     lines = ["| type | n | " + names[0] + " | checkpoint | hits | now right | now wrong | McNemar p |",
              "|---|---|---|---|---|---|---|---|"]
     for name, h in zip(names[1:], pooled[1:]):

@@ -296,6 +296,10 @@ def test_validation_check_draws_fresh_conversations_and_scores_them(tmp_path):
     record = {}
     two = ev.validate([_checkpoint_dir("qwen2_5_vl-tiny")] * 2, 1, types=["field_gate"], record=record).split("\n\n")[1]
     assert "| field_gate | 1 |" in two and two.rstrip().endswith("| 0 | 0 | 1.00 |")  # (a checkpoint against itself)
+    assert "| text gates | 1 |" in two and "shadow: all" not in two  # held-out pools only where their rows are
+    held = ev.paired(["a", "b"], [{"shadow:count": [True, False], "dark:count": [True], "dark:shape": [False, True]},
+                                  {"shadow:count": [False, True], "dark:count": [True], "dark:shape": [True, True]}])
+    assert "| shadow: all | 2 | 1 | b | 1 | 1 | 1 | 1.00 |" in held and "| dark: all | 3 | 2 | b | 3 | 1 | 0 | 1.00 |" in held
     item = record["items"]["field_gate"][0]  # --json: each item's label and every checkpoint's answer
     assert record["prefix"] == "sel" and item["label"] in ("refund", "escalate") and len(item["answers"]) == 2
     assert item["answers"][0] == item["answers"][1] and (f"| 1 | {_checkpoint_dir('qwen2_5_vl-tiny')} | {int(item['answers'][1] == item['label'])} |" in two)
