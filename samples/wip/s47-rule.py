@@ -1,0 +1,42 @@
+"""rule.py DIR A B: session 47's rule (model 0 = the bundle, model 1 = the candidate) on DIR/{A,At,B,Bt}.json"""
+import json, sys
+from math import comb
+sys.path.insert(0, "/work/main/samples"); sys.path.insert(0, "/work/main")
+from evaluate_tiny import same_objects
+IMAGE = ["color","shape","count","color_of_shape","shape_of_color","left_of","gate_plain","gate_logo","gate_scene"]
+TEXT = ["field_gate","erratum_gate","field_image_gate"]
+OTHER = [t for t in IMAGE if t != "count"] + ["same_color", "more_shapes"]
+def p1(r, w):
+    n = r + w
+    return sum(comb(n, k) for k in range(r, n + 1)) / 2 ** n if n else 1.0
+G = {k: [0, 0, 0, 0, 0] for k in ("dark", "count3", "text", "describe", "anyorder", "other10", "shadow")}
+per = {}
+A, B = sys.argv[2], sys.argv[3]
+for s in (A, A + "t", B, B + "t"):
+    d = json.load(open(f"{sys.argv[1]}/{s}.json"))
+    for t, items in d["items"].items():
+        style, _, base = t.rpartition(":")
+        keys = []
+        if style == "dark": keys.append("dark")
+        if style == "shadow": keys.append("shadow")
+        if base == "count": keys.append("count3")
+        if not style and base in TEXT: keys.append("text")
+        if not style and base == "describe": keys.append("describe")
+        if not style and base in OTHER: keys.append("other10")
+        for it in items:
+            a, b = (x == it["label"] for x in it["answers"][:2])
+            for k in keys + [f"{s}:{t}"]:
+                g = G.setdefault(k, [0, 0, 0, 0, 0]) if k.startswith(s) else G[k]
+                g[0] += 1; g[1] += a; g[2] += b; g[3] += b and not a; g[4] += a and not b
+            if base == "describe" and not style:
+                g = G["anyorder"]; g[0] += 1
+                g[1] += same_objects(it["answers"][0], it["label"]); g[2] += same_objects(it["answers"][1], it["label"])
+for k, (n, a, b, r, w) in G.items():
+    if ":" in k and a == b == n: continue
+    print(f"{k:28s} n={n:4d} {a:4d} -> {b:4d}  right {r:3d} wrong {w:3d} p1={p1(r, w):.3g}")
+d, c, t, de, an, o, sh = (G[k] for k in ("dark", "count3", "text", "describe", "anyorder", "other10", "shadow"))
+checks = {"1 dark p<0.1": p1(d[3], d[4]) < 0.1, "2 count3 not down": c[2] >= c[1], "3 text down<=3": t[1] - t[2] <= 3,
+          "4 describe>=68, down<=3, anyorder down<=1": de[2] >= 68 and de[1] - de[2] <= 3 and an[1] - an[2] <= 1,
+          "5 other10 down<=4, shadow down<=4": o[1] - o[2] <= 4 and sh[1] - sh[2] <= 4}
+for k, v in checks.items(): print(k, "PASS" if v else "FAIL")
+print("BUNDLE" if all(checks.values()) else "KEEP R25f")
