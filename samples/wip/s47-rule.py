@@ -1,16 +1,15 @@
 """rule.py DIR A B: session 47's rule (model 0 = the bundle, model 1 = the candidate) on DIR/{A,At,B,Bt}.json"""
 import json, sys
-from math import comb
-sys.path.insert(0, "/work/main/samples"); sys.path.insert(0, "/work/main")
-from evaluate_tiny import same_objects
-IMAGE = ["color","shape","count","color_of_shape","shape_of_color","left_of","gate_plain","gate_logo","gate_scene"]
-TEXT = ["field_gate","erratum_gate","field_image_gate"]
+from pathlib import Path
+from scipy.stats import binomtest
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # samples/, for evaluate_tiny
+from evaluate_tiny import E, TYPES as IMAGE, same_objects
+TEXT = E.TEXT_TYPES
 OTHER = [t for t in IMAGE if t != "count"] + ["same_color", "more_shapes"]
 def p1(r, w):
-    n = r + w
-    return sum(comb(n, k) for k in range(r, n + 1)) / 2 ** n if n else 1.0
+    """One-sided sign test: the chance of r or more now-right among r + w flips if neither way is likelier."""
+    return float(binomtest(r, r + w, 0.5, alternative="greater").pvalue) if r + w else 1.0
 G = {k: [0, 0, 0, 0, 0] for k in ("dark", "count3", "text", "describe", "anyorder", "other10", "shadow")}
-per = {}
 A, B = sys.argv[2], sys.argv[3]
 for s in (A, A + "t", B, B + "t"):
     d = json.load(open(f"{sys.argv[1]}/{s}.json"))
@@ -39,4 +38,4 @@ checks = {"1 dark p<0.1": p1(d[3], d[4]) < 0.1, "2 count3 not down": c[2] >= c[1
           "4 describe>=68, down<=3, anyorder down<=1": de[2] >= 68 and de[1] - de[2] <= 3 and an[1] - an[2] <= 1,
           "5 other10 down<=4, shadow down<=4": o[1] - o[2] <= 4 and sh[1] - sh[2] <= 4}
 for k, v in checks.items(): print(k, "PASS" if v else "FAIL")
-print("BUNDLE" if all(checks.values()) else "KEEP R25f")
+print("BUNDLE" if all(checks.values()) else "KEEP the bundle")

@@ -1,6 +1,6 @@
 #!/bin/bash
 # score.sh FAMILY CAND A B : candidate against the bundle on A, At, B, Bt (40/type; 120/text gate)
-cd /work/main
+cd "$(dirname "$0")/../.."  # the repository root
 F=$1; C=$2; O=/work/s47/score-$F; mkdir -p $O
 for s in $3 $4; do
   .venv/bin/python samples/evaluate_tiny.py --validation 40 --validation-seed $s --model samples/models/$F-tiny --model $C --json $O/$s.json > $O/$s.txt 2>&1
