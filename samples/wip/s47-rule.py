@@ -28,8 +28,8 @@ for s in (A, A + "t", B, B + "t"):
                 g = G.setdefault(k, [0, 0, 0, 0, 0]) if k.startswith(s) else G[k]
                 g[0] += 1; g[1] += a; g[2] += b; g[3] += b and not a; g[4] += a and not b
             if base == "describe" and not style:
-                g = G["anyorder"]; g[0] += 1
-                g[1] += same_objects(it["answers"][0], it["label"]); g[2] += same_objects(it["answers"][1], it["label"])
+                a, b = (same_objects(x, it["label"]) for x in it["answers"][:2])
+                g = G["anyorder"]; g[0] += 1; g[1] += a; g[2] += b; g[3] += b and not a; g[4] += a and not b
 for k, (n, a, b, r, w) in G.items():
     if ":" in k and a == b == n: continue
     print(f"{k:28s} n={n:4d} {a:4d} -> {b:4d}  right {r:3d} wrong {w:3d} p1={p1(r, w):.3g}")
