@@ -387,8 +387,14 @@ def main(argv=None) -> None:
                          "erratum_gate, field_value) by field-block size")
     ap.add_argument("--image-free", action="store_true",
                     help="with --validation: no image turns before the task's own (a text-only checkpoint's probe)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for torch (default: torch's own, every core; 1 beside a training run)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error("--threads N wants N >= 1")
+        torch.set_num_threads(args.threads)
     if args.validation < 0:
         ap.error("--validation N wants N >= 0")
     if args.by_block and not args.validation:

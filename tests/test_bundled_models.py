@@ -306,10 +306,13 @@ def test_validation_check_draws_fresh_conversations_and_scores_them(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "samples" / "evaluate_tiny.py"), "--validation", "-1"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 2 and "--validation" in res.stderr
-    out = tmp_path / "v.json"  # --json is written, not ignored, under --validation
+    res = subprocess.run([sys.executable, str(ROOT / "samples" / "evaluate_tiny.py"), "--threads", "0"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 2 and "--threads" in res.stderr
+    out = tmp_path / "v.json"  # --json is written, not ignored, under --validation; --threads 1 beside a training run
     res = subprocess.run([sys.executable, str(ROOT / "samples" / "evaluate_tiny.py"), "--validation", "1",
                           "--validation-types", "field_gate", "--model", str(_checkpoint_dir("qwen2_5_vl-tiny")),
-                          "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                          "--json", str(out), "--threads", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     assert set(json.loads(out.read_text())["items"]) == {"field_gate"}
 
