@@ -1,6 +1,6 @@
 """Keep docs/eval.md's results tables in step with the reports they quote.
 
-docs/eval.md quotes the tables of each bundled tiny model's `mmkv eval` reports in
+docs/eval.md quotes the tables of each bundled model's `mmkv eval` reports (the tiny models and the proxy) in
 docs/eval-runs/<model>/ (agreement, episodes, grid, errata). After a rerun, this rewrites every
 quoted table (and the floors in its section header, and the "All types" line) from the reports;
 `--check` only says which tables differ and exits 1. Prose and the flip bullets are not tables:
@@ -20,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "eval.md"
 RUNS = ROOT / "docs" / "eval-runs"
-MODELS = {"Qwen2.5-VL tiny": "qwen2_5_vl-tiny", "Qwen3-VL tiny": "qwen3_vl-tiny"}  # section name -> report dir
+MODELS = {"Qwen2.5-VL tiny": "qwen2_5_vl-tiny", "Qwen3-VL tiny": "qwen3_vl-tiny",  # section name -> report dir
+          "Proxy": "qwen2_5_vl-proxy"}
 REPORTS = ("agreement", "episodes", "grid", "errata")
 FLOORS = re.compile(r"image-blind ([0-9]+\.[0-9]+), shuffled-image ([0-9]+\.[0-9]+)")
 
