@@ -4,14 +4,11 @@ types on A plus At's text gates, pooled, must rise (one-sided sign test p < 0.05
 types on A may fall by at most 8."""
 import json, sys
 from pathlib import Path
-from scipy.stats import binomtest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # samples/, for evaluate_tiny
 from evaluate_tiny import TYPES as IMAGE
+from paired import p1, row, tally
 CONV = ["describe", "same_color", "more_shapes", "field_gate", "erratum_gate", "field_image_gate"]
 G = {k: [0, 0, 0, 0, 0] for k in ("conv", "text_t", "new", "image9", "shadow")}
-def add(keys, a, b):
-    for k in keys:
-        g = G.setdefault(k, [0, 0, 0, 0, 0]); g[0] += 1; g[1] += a; g[2] += b; g[3] += b and not a; g[4] += a and not b
 for s in (sys.argv[2], sys.argv[2] + "t"):
     for t, items in json.load(open(f"{sys.argv[1]}/{s}.json"))["items"].items():
         style, _, base = t.rpartition(":")
@@ -20,10 +17,11 @@ for s in (sys.argv[2], sys.argv[2] + "t"):
         if not style and base in CONV: keys += ["conv" if not s.endswith("t") else "text_t", "new"]
         if not style and base in IMAGE and not s.endswith("t"): keys.append("image9")
         for it in items:
-            add(keys, *(x == it["label"] for x in it["answers"][:2]))
-def p1(r, w): return float(binomtest(r, r + w, 0.5, alternative="greater").pvalue) if r + w else 1.0
-for k, (n, a, b, r, w) in G.items():
-    print(f"{k:28s} n={n:4d} {a:4d} -> {b:4d}  right {r:3d} wrong {w:3d} p1={p1(r, w):.3g}")
+            a, b = (x == it["label"] for x in it["answers"][:2])
+            for k in keys:
+                tally(G.setdefault(k, [0, 0, 0, 0, 0]), a, b)
+for k, g in G.items():
+    print(row(k, g))
 new, img = G["new"], G["image9"]
 ok1, ok2 = p1(new[3], new[4]) < 0.05, img[1] - img[2] <= 8
 print("1 conversation types + text gates up at p < 0.05:", "PASS" if ok1 else "FAIL")

@@ -1,14 +1,11 @@
 """rule.py DIR A B: session 47's rule (model 0 = the bundle, model 1 = the candidate) on DIR/{A,At,B,Bt}.json"""
 import json, sys
 from pathlib import Path
-from scipy.stats import binomtest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # samples/, for evaluate_tiny
 from evaluate_tiny import E, TYPES as IMAGE, same_objects
+from paired import p1, row, tally
 TEXT = E.TEXT_TYPES
 OTHER = [t for t in IMAGE if t != "count"] + ["same_color", "more_shapes"]
-def p1(r, w):
-    """One-sided sign test: the chance of r or more now-right among r + w flips if neither way is likelier."""
-    return float(binomtest(r, r + w, 0.5, alternative="greater").pvalue) if r + w else 1.0
 G = {k: [0, 0, 0, 0, 0] for k in ("dark", "count3", "text", "describe", "anyorder", "other10", "shadow")}
 A, B = sys.argv[2], sys.argv[3]
 for s in (A, A + "t", B, B + "t"):
@@ -25,14 +22,12 @@ for s in (A, A + "t", B, B + "t"):
         for it in items:
             a, b = (x == it["label"] for x in it["answers"][:2])
             for k in keys + [f"{s}:{t}"]:
-                g = G.setdefault(k, [0, 0, 0, 0, 0]) if k.startswith(s) else G[k]
-                g[0] += 1; g[1] += a; g[2] += b; g[3] += b and not a; g[4] += a and not b
+                tally(G.setdefault(k, [0, 0, 0, 0, 0]) if k.startswith(s) else G[k], a, b)
             if base == "describe" and not style:
-                a, b = (same_objects(x, it["label"]) for x in it["answers"][:2])
-                g = G["anyorder"]; g[0] += 1; g[1] += a; g[2] += b; g[3] += b and not a; g[4] += a and not b
-for k, (n, a, b, r, w) in G.items():
-    if ":" in k and a == b == n: continue
-    print(f"{k:28s} n={n:4d} {a:4d} -> {b:4d}  right {r:3d} wrong {w:3d} p1={p1(r, w):.3g}")
+                tally(G["anyorder"], *(same_objects(x, it["label"]) for x in it["answers"][:2]))
+for k, g in G.items():
+    if ":" in k and g[1] == g[2] == g[0]: continue
+    print(row(k, g))
 d, c, t, de, an, o, sh = (G[k] for k in ("dark", "count3", "text", "describe", "anyorder", "other10", "shadow"))
 checks = {"1 dark p<0.1": p1(d[3], d[4]) < 0.1, "2 count3 not down": c[2] >= c[1], "3 text down<=3": t[1] - t[2] <= 3,
           "4 describe>=68, down<=3, anyorder down<=1": de[2] >= 68 and de[1] - de[2] <= 3 and an[1] - an[2] <= 1,
