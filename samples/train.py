@@ -29,6 +29,7 @@ import random
 import re
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,14 +195,19 @@ def accept_probability(qtype: str, scene, question: str, answer: str, bias: floa
 @dataclass(frozen=True)
 class Style:
     """How training images are drawn: ``p`` the share drawn in a non-flat training renderer
-    (``dataset.TRAIN_STYLES``; the held-out one never), ``jpeg`` the chance of a JPEG re-encode."""
+    (``dataset.TRAIN_STYLES``; the held-out one never), ``jpeg`` the chance of a JPEG re-encode,
+    ``dark`` the chance that the scene's background is first replaced by a dark one
+    (:func:`dataset.dark_canvas`; ``varied`` draws its own background whatever it is given)."""
 
     p: float = 0.0
     jpeg: float = 0.0
     color_jitter: int = 12
+    dark: float = 0.0
 
     def drawer(self):
         def draw(scene, rng):
+            if self.dark > 0 and rng.random() < self.dark:  # no draw at 0: earlier runs' streams are kept
+                scene = dataclasses.replace(scene, background=D.dark_canvas(rng))
             style = rng.choice(D.TRAIN_STYLES[1:]) if self.p > 0 and rng.random() < self.p else "flat"
             return D.render_styled(scene, rng, style, color_jitter=self.color_jitter, jpeg=self.jpeg)
         return draw
@@ -566,6 +572,9 @@ def main(argv=None) -> None:
                     help="share of training images drawn in a non-flat training renderer (never the held-out one)")
     ap.add_argument("--jpeg", type=float, default=0.0, help="chance of a JPEG re-encode of a training image")
     ap.add_argument("--val-per-type", type=int, default=12, help="validation episodes per trained type")
+    ap.add_argument("--dark-canvas", type=float, default=0.0,
+                    help="share of training images whose background is first replaced by a dark one "
+                         "(any renderer but varied, which draws its own)")
     ap.add_argument("--val-style", type=int, default=0,
                     help="validation episodes per single-image type in the held-out style")
     ap.add_argument("--val-history", action="store_true",
@@ -631,6 +640,8 @@ def main(argv=None) -> None:
         ap.error("--block-focus is a share in [0, 1]")
     if not 0 <= args.contrast <= 1:
         ap.error("--contrast is a share in [0, 1]")
+    if not 0 <= args.dark_canvas <= 1:
+        ap.error("--dark-canvas is a share in [0, 1]")
     if not args.decide_weight > 0:
         ap.error("--decide-weight is a loss weight > 0")
     if not any(turn_weights.values()):
@@ -675,7 +686,7 @@ def main(argv=None) -> None:
     opt = torch.optim.AdamW(param_groups(model, layer_lr), lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
     batcher = Batcher(processor, args.family, grid["factor"])
     warm_types = {t: weights[t] for t in WARM_TYPES}
-    style = Style(p=args.style_p, jpeg=args.jpeg)
+    style = Style(p=args.style_p, jpeg=args.jpeg, dark=args.dark_canvas)
     # the monitor scores what this run trains: a run that never leaves the warm-up (--warm-until 1) only
     # the perception questions, or its --best save would follow the types it lets decay
     trained = warm_types if args.warm_until >= 1 else weights
@@ -709,7 +720,7 @@ def main(argv=None) -> None:
                 "earlier_runs": earlier,
                 "total_steps": step + sum(r.get("steps") or 0 for r in earlier),
                 "total_elapsed_s": round(time.time() - t0 + sum(r.get("elapsed_s") or 0 for r in earlier), 1),
-                "style_p": args.style_p, "jpeg": args.jpeg, "light_focus": args.light_focus, "block_focus": args.block_focus, "field_weights": field_weights, "contrast": args.contrast, "word_tokens": args.word_tokens, "decide_weight": args.decide_weight, "layer_lr": layer_lr, "best": best,
+                "style_p": args.style_p, "jpeg": args.jpeg, "dark_canvas": args.dark_canvas, "light_focus": args.light_focus, "block_focus": args.block_focus, "field_weights": field_weights, "contrast": args.contrast, "word_tokens": args.word_tokens, "decide_weight": args.decide_weight, "layer_lr": layer_lr, "best": best,
                 "rope_theta": model.config.get_text_config().rope_parameters["rope_theta"],
                 "rope_theta_from": theta_from,
                 "history": history[-50:]}

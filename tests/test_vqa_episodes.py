@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import json
+import math
 import random
 import re
 from pathlib import Path
@@ -229,6 +230,39 @@ def test_training_never_draws_the_heldout_style():
     finally:
         D.render_styled = orig
     assert set(seen) == set(D.TRAIN_STYLES[1:])
+
+
+def test_dark_canvas_redraws_the_background_dark_and_keeps_the_objects():
+    """`train.py --dark-canvas 1`: every training drawing but `varied` (which picks its own) sits on a
+    background of brightness <= 90 (12-72, tinted by up to 18), far from every palette colour, with the
+    objects still drawn in their colours; `--dark-canvas 0` draws no extra random number."""
+    train = _train_module()
+    orig = D.render_styled
+    try:
+        for style in D.TRAIN_STYLES:
+            if style == "varied":
+                continue
+            D.render_styled = lambda scene, rng, _s, _st=style, **kw: orig(scene, rng, _st, **kw)
+            draw = train.Style(p=1.0, dark=1.0, color_jitter=0).drawer()
+            for i in range(8):
+                rng = random.Random(i)
+                scene, _, _ = D.make_item(rng, "color")
+                img = np.asarray(draw(scene, rng)).astype(int)
+                corner = img[:3, :3].reshape(-1, 3).mean(0)
+                assert corner.max() <= 90 + (30 if style == "noisy" else 0), (style, corner)
+                o = scene.objects[0]
+                centre = img[int(o.cy), int(o.cx)] if style != "hollow" else None
+                if centre is not None:
+                    assert D.nearest_color(centre) == o.color, (style, centre)
+    finally:
+        D.render_styled = orig
+    for i in range(20):
+        assert min(math.dist(D.dark_canvas(random.Random(i)), c) for c in D.COLORS.values()) > 110
+    a, b = random.Random(3), random.Random(3)
+    scene, _, _ = D.make_item(random.Random(0), "count")
+    np.testing.assert_array_equal(np.asarray(train.Style(p=0.5).drawer()(scene, a)),
+                                  np.asarray(train.Style(p=0.5, dark=0.0).drawer()(scene, b)))
+    assert a.random() == b.random()
 
 
 def test_committed_episode_split_regenerates(tmp_path):
@@ -611,7 +645,7 @@ def test_decide_weight_reweights_the_last_answer_against_transformers_own_loss()
 
 
 @pytest.mark.parametrize("flag", [["--decide-weight", "0"], ["--decide-weight", "-1"], ["--contrast", "2"],
-                                  ["--light-focus", "-0.5"]])
+                                  ["--light-focus", "-0.5"], ["--dark-canvas", "1.5"]])
 def test_train_refuses_a_bad_weight_or_share_before_building_anything(tmp_path, flag, capsys):
     """A loss weight <= 0 or a share outside [0, 1] is a usage error (exit 2) naming the flag; no model is written."""
     train = _train_module()

@@ -296,6 +296,13 @@ def _far_from_palette(rng: random.Random, lo: int = 12, hi: int = 245) -> tuple[
             return c  # type: ignore[return-value]
 
 
+def dark_canvas(rng: random.Random) -> tuple[int, int, int]:
+    """A dark background for a training drawing (brightness 12-72, tinted, far from every palette
+    colour): the augmentation ``train.py --dark-canvas`` applies. An ablation in session 51 found the
+    dark canvas, not the held-out ``dark`` renderer's panels, rims or lights, was what cost accuracy."""
+    return _far_from_palette(rng, 12, 72)
+
+
 def _supersampled(scene: Scene, rng: random.Random, scales: tuple[float, float], factor: int,
                   background: Callable[[random.Random], tuple[int, int, int]]):
     """A canvas for an anti-aliased renderer: the scene drawn at ``factor`` times a scale drawn from
