@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import random
 import re
 import sys
 import time
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 

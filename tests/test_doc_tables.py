@@ -37,4 +37,3 @@ def test_a_stale_table_is_found_and_rewritten(tmp_path, section):
     lines[head] = "| arm | made-up column |"
     with pytest.raises(ValueError, match="made-up column"):
         T.embed("\n".join(lines), T.load_reports())
-

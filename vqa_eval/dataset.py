@@ -343,23 +343,36 @@ def _render_varied(scene: Scene, rng: random.Random, color_jitter: int) -> Image
     return _downsampled(img, scene, scale)
 
 
-def _render_dark(scene: Scene, rng: random.Random, color_jitter: int) -> Image.Image:
+def _render_dark(scene: Scene, rng: random.Random, color_jitter: int = 0, *, ring: bool = True, rim: bool = True,
+                 invert: bool = True, rescale: bool = True, dark_bg: bool = True) -> Image.Image:
     """The ``dark`` held-out renderer (see :data:`HELDOUT_STYLES`): drawn at 4x the target scale,
-    then downsampled (anti-aliased) to the scene's size times 0.6-1.6."""
+    then downsampled (anti-aliased) to the scene's size times 0.6-1.6.
+
+    The switches, all on for the held-out style, turn one feature off each for
+    ``samples/wip/dark-ablation.py``: the ring-shaped status light, the light rim, the inverted
+    panels, the rescaled canvas, the dark background (off: the scene's own). Every switch draws the
+    same random numbers, so an ablated drawing differs from the held-out one in that feature only."""
     img, draw, ss, scale = _supersampled(scene, rng, (0.6, 1.6), 4, lambda r: r.choice(DARK_BACKGROUNDS))
+    if not (rescale and dark_bg):
+        ss, scale = (ss, scale) if rescale else (4.0, 1.0)
+        img = Image.new("RGB", (max(1, round(scene.width * ss)), max(1, round(scene.height * ss))),
+                        img.getpixel((0, 0)) if dark_bg else scene.background)
+        draw = ImageDraw.Draw(img)
     for ex in scene.extras:
         if ex["kind"] == "rect":
-            fill = tuple(255 - c for c in ex["fill"])  # the panel inverted: dark card, light header and bars
+            # the panel inverted: dark card, light header and bars
+            fill = tuple(255 - c for c in ex["fill"]) if invert else tuple(ex["fill"])
             outline = (200, 200, 210) if ex.get("outline") is not None else None
             draw.rectangle([v * ss for v in ex["box"]], fill=fill, outline=outline, width=max(1, round(ex.get("line", 1) * ss)))
     for o in scene.objects:
         fill = _jitter(COLORS[o.color], rng, color_jitter)
         cx, cy, size = o.cx * ss, o.cy * ss, o.size * ss
-        if o.role == "light":  # a ring around a dot, not a filled disc
+        if o.role == "light" and ring:  # a ring around a dot, not a filled disc
             _draw_shape(draw, "circle", cx, cy, size, None, outline=fill, width=max(1, round(size * 0.14)))
             _draw_shape(draw, "circle", cx, cy, size * 0.45, fill)
         else:
-            _draw_shape(draw, o.shape, cx, cy, size, fill, outline=(235, 235, 235), width=max(1, round(ss)))
+            _draw_shape(draw, o.shape, cx, cy, size, fill, outline=(235, 235, 235) if rim else None,
+                        width=max(1, round(ss)))
     return _downsampled(img, scene, scale)
 
 
