@@ -17,6 +17,8 @@ from paired import p1, row, tally
 CONV = ["describe", "same_color", "more_shapes", "field_gate", "erratum_gate", "field_image_gate"]
 G = {k: [0, 0, 0, 0, 0] for k in ("conv", "text_t", "new", "image9", "shadow", "dark", "other3")}
 MODE = (sys.argv[3:] or [""])[0]
+if sys.argv[4:] or MODE not in ("", "stage9", "stage10"):
+    sys.exit(f"usage: proxy-rule.py DIR A [stage9|stage10] (got {sys.argv[3:]}): no other rule is written")
 for s in (sys.argv[2], sys.argv[2] + "t"):
     for t, items in json.load(open(f"{sys.argv[1]}/{s}.json"))["items"].items():
         style, _, base = t.rpartition(":")

@@ -11,6 +11,8 @@ TEXT = E.TEXT_TYPES
 OTHER = [t for t in IMAGE if t != "count"] + ["same_color", "more_shapes"]
 G = {k: [0, 0, 0, 0, 0] for k in ("dark", "count3", "count", "text", "describe", "anyorder", "other10", "shadow")}
 COUNT_RULE = sys.argv[4:] == ["count"]
+if sys.argv[4:] not in ([], ["count"]):
+    sys.exit(f"usage: s47-rule.py DIR A B [count] (got {sys.argv[4:]}): no other rule is written")
 A, B = sys.argv[2], sys.argv[3]
 for s in (A, A + "t", B, B + "t"):
     d = json.load(open(f"{sys.argv[1]}/{s}.json"))
