@@ -432,6 +432,13 @@ class Batcher:
         enc["labels"] = self.labels_for(enc["input_ids"])
         return enc
 
+    def drill_batch(self, rng: random.Random, size: int):
+        """``size`` lookup drills (:func:`episodes.drill`, text only): every answer of every turn labelled."""
+        texts = [self.proc.apply_chat_template(E.drill(rng).messages, tokenize=False) for _ in range(size)]
+        enc = self.proc(text=texts, return_tensors="pt", padding=True)
+        enc["labels"] = self.labels_for(enc["input_ids"])
+        return enc
+
 
 def weighted_loss(model, batch, batcher: Batcher, decide_weight: float = 1.0) -> torch.Tensor:
     """Next-token cross-entropy over the labelled tokens; with ``decide_weight`` != 1 the last turn's
@@ -595,6 +602,9 @@ def main(argv=None) -> None:
     ap.add_argument("--contrast", type=float, default=0.0,
                     help="share of text-gate episodes followed in their batch by their minimal pair (twin: the "
                          "same episode with the deciding value changed and the answer flipped)")
+    ap.add_argument("--drill", type=float, default=0.0,
+                    help="share of steps whose batch is lookup drills (episodes.drill: 4-8 text questions per "
+                         "conversation, each read from a field block, errata or the policy) instead of --weight's mix")
     ap.add_argument("--decide-weight", type=float, default=1.0,
                     help="loss weight of the last turn's answer tokens (decide_mask) against 1 for the earlier "
                          "answers and every <|im_end|>; 1 is the plain token mean")
@@ -640,6 +650,8 @@ def main(argv=None) -> None:
         ap.error("--block-focus is a share in [0, 1]")
     if not 0 <= args.contrast <= 1:
         ap.error("--contrast is a share in [0, 1]")
+    if not 0 <= args.drill <= 1:
+        ap.error("--drill is a share in [0, 1]")
     if not 0 <= args.dark_canvas <= 1:
         ap.error("--dark-canvas is a share in [0, 1]")
     if not args.decide_weight > 0:
@@ -720,7 +732,7 @@ def main(argv=None) -> None:
                 "earlier_runs": earlier,
                 "total_steps": step + sum(r.get("steps") or 0 for r in earlier),
                 "total_elapsed_s": round(time.time() - t0 + sum(r.get("elapsed_s") or 0 for r in earlier), 1),
-                "style_p": args.style_p, "jpeg": args.jpeg, "dark_canvas": args.dark_canvas, "light_focus": args.light_focus, "block_focus": args.block_focus, "field_weights": field_weights, "contrast": args.contrast, "word_tokens": args.word_tokens, "decide_weight": args.decide_weight, "layer_lr": layer_lr, "best": best,
+                "style_p": args.style_p, "jpeg": args.jpeg, "dark_canvas": args.dark_canvas, "light_focus": args.light_focus, "block_focus": args.block_focus, "field_weights": field_weights, "contrast": args.contrast, "drill": args.drill, "word_tokens": args.word_tokens, "decide_weight": args.decide_weight, "layer_lr": layer_lr, "best": best,
                 "rope_theta": model.config.get_text_config().rope_parameters["rope_theta"],
                 "rope_theta_from": theta_from,
                 "history": history[-50:]}
@@ -746,9 +758,12 @@ def main(argv=None) -> None:
         rng = random.Random(f"train-{args.seed}-{step}")
         bias = min(1.0, max(0.0, (args.skew_until - p) / 0.3))  # (0 throughout with --skew-until 0)
         types = warm_types if p < args.warm_until else weights
-        batch = batcher.batch(rng, args.batch, level, max_turns=1 if p < args.single_until else 4, bias=bias,
-                              types=types, style=style, turn_weights=turn_weights, light_focus=args.light_focus,
-                              field_weights=field_weights, contrast=args.contrast, block_focus=args.block_focus)
+        if args.drill > 0 and rng.random() < args.drill:  # (no draw at 0: earlier runs' streams are kept)
+            batch = batcher.drill_batch(rng, args.batch)
+        else:
+            batch = batcher.batch(rng, args.batch, level, max_turns=1 if p < args.single_until else 4, bias=bias,
+                                  types=types, style=style, turn_weights=turn_weights, light_focus=args.light_focus,
+                                  field_weights=field_weights, contrast=args.contrast, block_focus=args.block_focus)
         loss = weighted_loss(model, batch.to(args.device), batcher, args.decide_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()

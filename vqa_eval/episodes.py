@@ -340,6 +340,57 @@ def build(rng: random.Random, qtype: str, *, level: float = 1.0, easy_size: int 
     return chat.episode(qtype, field=target, required=required, value=actual, light=light, asked=asked)
 
 
+#: Questions per :func:`drill` conversation (inclusive range).
+DRILL_TURNS = (4, 8)
+
+
+def drill(rng: random.Random, n_questions: int | None = None) -> Episode:
+    """A dense lookup drill, for training only (``samples/train.py --drill``; never in a split).
+
+    One refund policy and a block of 2-4 field lines (system turn, or the first user turn), then
+    4-8 text questions, each the asked field's current value (``Q_FIELD_VALUE``), the value the
+    policy needs (``Q_POLICY_VALUE``) or the refund verdict; before a question, 1-2 errata of any
+    block field may change its value (the latest wins). Every answer is read from the context, so
+    the in-context copy that every text gate needs is supervised several times per conversation
+    instead of once. The asked field is the policy's at even odds of holding the needed value."""
+    fields = rng.sample(list(FIELDS), rng.randint(2, 4))
+    target = rng.choice(fields)
+    required = rng.choice(FIELDS[target])
+
+    def draw_value(f: str, old: str | None = None) -> str:
+        choices = [v for v in FIELDS[f] if v != old]
+        if f == target:  # even odds of the needed value, so the verdict is no majority answer
+            others = [v for v in choices if v != required]
+            return required if required in choices and (not others or rng.random() < 0.5) else rng.choice(others)
+        return rng.choice(choices)
+
+    state = {f: draw_value(f) for f in fields}
+    fmt = rng.choice(FIELD_FORMATS)
+    block = "\n".join(fmt.format(f=f, v=state[f]) for f in rng.sample(fields, len(fields)))
+    in_system = rng.random() < 0.65
+    parts = [_policy(rng, target, required)] + ([block] if in_system else [])
+    rng.shuffle(parts)
+    chat = _Chat(_system_with(rng, parts), flat, rng)
+    lines = [] if in_system else [block]
+    for i in range(n_questions or rng.randint(*DRILL_TURNS)):
+        if i and rng.random() < 0.4:
+            for _ in range(rng.randint(1, 2)):
+                f = rng.choice(fields)
+                state[f] = draw_value(f, state[f])
+                lines.append(erratum_line(f, state[f]))
+        kind = rng.choices(("value", "policy", "verdict"), weights=(0.5, 0.15, 0.35))[0]
+        if kind == "value":
+            f = rng.choice(fields)
+            q, a = Q_FIELD_VALUE.format(phrase=PHRASE[f]), state[f]
+        elif kind == "policy":
+            q, a = Q_POLICY_VALUE.format(phrase=PHRASE[target]), required
+        else:
+            q, a = (Q_AGAIN if i else Q_REFUND), ("refund" if state[target] == required else "escalate")
+        chat.turn("\n".join(lines + [q]), a)
+        lines = []
+    return chat.episode("drill", field=target, required=required, value=state[target])
+
+
 def corpus() -> list[str]:
     """Text of the new tasks (for a tokenizer built from scratch)."""
     out = [Q_REFUND, Q_AGAIN, Q_SAME_COLOR, Q_MORE_SHAPES, D.Q_DESCRIBE, *FILLERS]
