@@ -113,6 +113,30 @@ def test_every_answer_of_every_type_rederives(qtype):
                     assert _gate_answer(ep.messages[:k]) == msg["content"][0]["text"]
 
 
+def test_every_drill_answer_rederives_and_the_verdicts_are_no_majority_answer():
+    """episodes.drill (training only): each of its 4-8 answers is what the rendered context says (the
+    field's latest line or erratum, the policy's value, the verdict), re-derived by the parsers above."""
+    kinds, verdicts = {"value": 0, "policy": 0, "verdict": 0}, []
+    for i in range(80):
+        ep = E.drill(random.Random(f"d-{i}"))
+        assert ep.type == "drill" and not ep.images and E.DRILL_TURNS[0] <= len(ep.answers) <= E.DRILL_TURNS[1]
+        for k, msg in enumerate(ep.messages):
+            if msg["role"] != "assistant":
+                continue
+            q, a = ep.messages[k - 1]["content"][-1]["text"], msg["content"][0]["text"]
+            if "answer refund or escalate" in q:
+                kinds["verdict"] += 1
+                verdicts.append(a)
+                assert _gate_answer(ep.messages[:k]) == a
+            else:
+                kinds["policy" if "policy need" in q else "value"] += 1
+                assert _lookup_answer(ep.messages[:k]) == a
+        assert ep.answer == ep.answers[-1] and ep.gate["value"] == _current_value(
+            "\n".join(t for role, t in _texts(ep.messages) if role != "assistant"), ep.gate["field"])
+    assert min(kinds.values()) > 30 and 0.35 < verdicts.count("refund") / len(verdicts) < 0.65
+    assert E.drill(random.Random(1), n_questions=5).answers == E.drill(random.Random(1), n_questions=5).answers
+
+
 def _train_module():
     """samples/train.py as a module (it is a script, not a package member)."""
     from conftest import sample_module
@@ -369,6 +393,26 @@ def test_a_batch_of_text_only_episodes_trains():
     labelled = [processor.tokenizer.decode([t for t in row if t >= 0]) for row in batch["labels"].tolist()]
     assert all(x.replace("<|im_end|>", "") in ("refund", "escalate") for x in labelled)
     assert float(model(**batch).loss.detach()) > 0
+
+
+def test_a_drill_batch_labels_every_answer_of_every_turn():
+    """``--drill``'s batches: text only, and the labels are exactly each drill's answers (+ <|im_end|>)."""
+    from transformers import AutoProcessor
+
+    train = _train_module()
+    processor = AutoProcessor.from_pretrained(ROOT / "samples" / "models" / "qwen2_5_vl-proxy", local_files_only=True)
+    batch = train.Batcher(processor, "qwen2_5_vl").drill_batch(random.Random(5), 3)
+    assert "pixel_values" not in batch
+    rng = random.Random(5)
+    want = [E.drill(rng).answers for _ in range(3)]
+    for row, answers in zip(batch["labels"].tolist(), want):
+        spans, cur = [], []
+        for t in row + [-100]:
+            if t >= 0:
+                cur.append(t)
+            elif cur:
+                spans.append(processor.tokenizer.decode(cur)), cur.clear()
+        assert spans == [a + "<|im_end|>" for a in answers]
 
 
 def test_varied_style_draws_backgrounds_of_any_brightness_never_a_palette_colour():
@@ -644,7 +688,8 @@ def test_decide_weight_reweights_the_last_answer_against_transformers_own_loss()
 
 
 @pytest.mark.parametrize("flag", [["--decide-weight", "0"], ["--decide-weight", "-1"], ["--contrast", "2"],
-                                  ["--light-focus", "-0.5"], ["--dark-canvas", "1.5"]])
+                                  ["--light-focus", "-0.5"], ["--dark-canvas", "1.5"], ["--drill", "1.5"],
+                                  ["--drill", "-0.1"]])
 def test_train_refuses_a_bad_weight_or_share_before_building_anything(tmp_path, flag, capsys):
     """A loss weight <= 0 or a share outside [0, 1] is a usage error (exit 2) naming the flag; no model is written."""
     train = _train_module()
