@@ -115,6 +115,23 @@ def add_word_tokens(model, tokenizer) -> int:
     return len(new)
 
 
+def unify_words(tokenizer) -> list[str]:
+    """Mark each of :data:`WORD_TOKENS` that is already ONE base token (``tier``, ``pending``, ...) as an
+    added single-word token, under its own id: the BPE then never merges it with a leading space, so a
+    field name or value is the same id in a block line (``tier: pending``), an erratum, a question
+    (``what is the tier now``) and an answer (``--unify-words``). Without it ``Ġtier`` / ``Ġpending``
+    (after a space) and ``tier`` / ``pending`` (after a newline) are different ids, and a copy from the
+    context must also learn their equivalence. No id is added; returns the words marked."""
+    from tokenizers import AddedToken
+
+    have = set(tokenizer.get_added_vocab())
+    words = [w for w in WORD_TOKENS if w not in have and len(tokenizer.encode(w, add_special_tokens=False)) == 1]
+    n = len(tokenizer)
+    tokenizer.add_tokens([AddedToken(w, single_word=True, normalized=False) for w in words])
+    assert len(tokenizer) == n, "unify_words added an id"
+    return words
+
+
 #: The proxy (``--size proxy``, Qwen2.5-VL only): a real model's position scheme at a trainable size.
 #: rope_theta 1e6 with head_dim 64 and mrope sections [8, 12, 12] (Qwen2.5-VL's [16, 24, 24] halved:
 #: the real proportions), 8 LM layers, images of 64-256 tokens (224^2 to 448^2 pixels).
@@ -590,6 +607,8 @@ def main(argv=None) -> None:
                     help="override the sampling weight of N-question conversations (TURN_WEIGHTS); repeatable")
     ap.add_argument("--word-tokens", action="store_true",
                     help="add the field names, values and the erratum marker as whole tokens (WORD_TOKENS)")
+    ap.add_argument("--unify-words", action="store_true",
+                    help="make each field name and value one id wherever it stands (unify_words; no new ids)")
     ap.add_argument("--light-focus", type=float, default=0.0,
                     help="share of field_image_gate episodes redrawn so that the field matches and the "
                          "light decides (even odds): the image half of the question (see conversation)")
@@ -688,6 +707,8 @@ def main(argv=None) -> None:
         model = AutoModelForImageTextToText.from_config(config)
     if args.word_tokens:
         print(f"word tokens: {add_word_tokens(model, tokenizer)} added", flush=True)
+    if args.unify_words:
+        print(f"unified words: {', '.join(unify_words(tokenizer)) or 'none left'}", flush=True)
     model.to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{args.family}: {n_params / 1e6:.2f}M params, vocab {len(tokenizer)}", flush=True)
@@ -732,7 +753,7 @@ def main(argv=None) -> None:
                 "earlier_runs": earlier,
                 "total_steps": step + sum(r.get("steps") or 0 for r in earlier),
                 "total_elapsed_s": round(time.time() - t0 + sum(r.get("elapsed_s") or 0 for r in earlier), 1),
-                "style_p": args.style_p, "jpeg": args.jpeg, "dark_canvas": args.dark_canvas, "light_focus": args.light_focus, "block_focus": args.block_focus, "field_weights": field_weights, "contrast": args.contrast, "drill": args.drill, "word_tokens": args.word_tokens, "decide_weight": args.decide_weight, "layer_lr": layer_lr, "best": best,
+                "style_p": args.style_p, "jpeg": args.jpeg, "dark_canvas": args.dark_canvas, "light_focus": args.light_focus, "block_focus": args.block_focus, "field_weights": field_weights, "contrast": args.contrast, "drill": args.drill, "word_tokens": args.word_tokens, "unify_words": args.unify_words, "decide_weight": args.decide_weight, "layer_lr": layer_lr, "best": best,
                 "rope_theta": model.config.get_text_config().rope_parameters["rope_theta"],
                 "rope_theta_from": theta_from,
                 "history": history[-50:]}
