@@ -584,6 +584,39 @@ def test_word_tokens_make_each_field_value_one_token_in_every_format():
     assert out.logits.shape[-1] == len(tok)
 
 
+def test_unify_words_gives_each_field_name_and_value_one_id_wherever_it_stands():
+    """`train.py --unify-words` on the proxy's tokenizer (whose BPE has `Ġtier` beside `tier`, `Ġpending`
+    beside `pending`): afterwards a field name and each value take one id in a block line of every format,
+    an erratum, a question and an answer; no id is added, text round-trips, `paid` stays out of `unpaid`,
+    and a second call marks nothing. Before, the question's `tier` and the block's differ (the premise)."""
+    from transformers import AutoTokenizer
+
+    train = _train_module()
+    tok = AutoTokenizer.from_pretrained(ROOT / "samples" / "models" / "qwen2_5_vl-proxy", local_files_only=True)
+
+    def ids_of(word: str) -> set[int]:
+        texts = [fmt.format(f=f, v=v) for f, vs in E.FIELDS.items() for v in vs for fmt in E.FIELD_FORMATS]
+        texts += [E.erratum_line(f, v) for f, vs in E.FIELDS.items() for v in vs]
+        texts += [E.Q_FIELD_VALUE.format(phrase=E.PHRASE[f]) for f in E.FIELDS] + [f"\n{word}<|im_end|>"]
+        out = set()
+        for text in texts:
+            for i in tok.encode(text, add_special_tokens=False):
+                if tok.convert_ids_to_tokens(i).replace("Ġ", "").strip('"{}:') == word:
+                    out.add(i)
+        return out
+
+    assert len(ids_of("tier")) == 2 and len(ids_of("pending")) == 2
+    n = len(tok)
+    marked = train.unify_words(tok)
+    assert {"tier", "pending", "paid"} <= set(marked) and len(tok) == n
+    for word in [v for vs in E.FIELDS.values() for v in vs] + ["tier", "payment", "account"]:
+        assert ids_of(word) == {tok.convert_tokens_to_ids(word)}, word
+    for text in ("tier = gold", 'payment: unpaid', E.erratum_line("payment", "paid"), E.Q_FIELD_VALUE.format(phrase="tier")):
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    assert tok.convert_tokens_to_ids("paid") not in tok.encode("payment: unpaid", add_special_tokens=False)
+    assert train.unify_words(tok) == []
+
+
 def _prompt_text(ep) -> str:
     return "\n".join(p["text"] for m in ep.prompt_messages() for p in m["content"] if p.get("type") == "text")
 
