@@ -457,6 +457,95 @@ class Batcher:
         return enc
 
 
+@dataclass
+class BatchPlan:
+    """What the batch of step ``i`` holds, given the run's progress ``p`` in [0, 1] when it is built: the
+    curriculum (varied-scene level, answer skew, warm-up types, single turns) and the seeded draw
+    ``train-<seed>-<i>``. One function for the loop and for the worker processes, so both build alike."""
+
+    batcher: Batcher
+    seed: int
+    size: int
+    max_level: float
+    ramp: float
+    skew_until: float
+    warm_until: float
+    single_until: float
+    warm_types: dict
+    weights: dict
+    style: Style
+    turn_weights: dict
+    light_focus: float
+    field_weights: dict
+    contrast: float
+    block_focus: float
+    drill: float
+
+    def level(self, p: float) -> float:
+        return self.max_level * (min(1.0, p / self.ramp) if self.ramp > 0 else 1.0)
+
+    def bias(self, p: float) -> float:
+        return min(1.0, max(0.0, (self.skew_until - p) / 0.3))  # (0 throughout with --skew-until 0)
+
+    def build(self, i: int, p: float):
+        rng = random.Random(f"train-{self.seed}-{i}")
+        if self.drill > 0 and rng.random() < self.drill:  # (no draw at 0: earlier runs' streams are kept)
+            return self.batcher.drill_batch(rng, self.size)
+        return self.batcher.batch(rng, self.size, self.level(p), max_turns=1 if p < self.single_until else 4,
+                                  bias=self.bias(p), types=self.warm_types if p < self.warm_until else self.weights,
+                                  style=self.style, turn_weights=self.turn_weights, light_focus=self.light_focus,
+                                  field_weights=self.field_weights, contrast=self.contrast,
+                                  block_focus=self.block_focus)
+
+
+_PLAN: BatchPlan | None = None  # a worker's copy (forked), see BatchSource
+
+
+def _worker_init(plan: BatchPlan) -> None:
+    global _PLAN
+    _PLAN = plan
+    torch.set_num_threads(1)
+
+
+def _worker_build(job: tuple[int, float]):
+    return _PLAN.build(*job)
+
+
+class BatchSource:
+    """Batches in step order. ``workers`` 0: each is built when asked for. Otherwise a pool of that many
+    forked processes keeps ``2 * workers`` steps in flight, each built from the progress its step is
+    expected to train at when it is submitted (``progress_at(i)``; exact for a ``--steps`` run, whose
+    batches are then the loop's own, byte for byte; a ``--minutes`` run's curriculum is read up to
+    ``2 * workers`` steps early)."""
+
+    def __init__(self, plan: BatchPlan, workers: int = 0):
+        import collections
+        import multiprocessing
+
+        self.plan, self.workers = plan, workers
+        self.pool = multiprocessing.get_context("fork").Pool(workers, _worker_init, (plan,)) if workers else None
+        self.pending: collections.deque = collections.deque()  # (step, AsyncResult)
+        self.next = 0
+
+    def get(self, i: int, progress_at):
+        if self.pool is None:
+            return self.plan.build(i, progress_at(i))
+        while self.pending and self.pending[0][0] < i:  # (never: steps are asked for in order)
+            self.pending.popleft()
+        self.next = max(self.next, i)
+        while len(self.pending) < 2 * self.workers:
+            self.pending.append((self.next, self.pool.apply_async(_worker_build, ((self.next, progress_at(self.next)),))))
+            self.next += 1
+        j, result = self.pending.popleft()
+        assert j == i
+        return result.get()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+
 def weighted_loss(model, batch, batcher: Batcher, decide_weight: float = 1.0) -> torch.Tensor:
     """Next-token cross-entropy over the labelled tokens; with ``decide_weight`` != 1 the last turn's
     answer tokens weigh that much against 1 for the rest (a weighted mean, so 1 is the model's own loss)."""
@@ -592,6 +681,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="e.g. cuda, where a GPU is lent (data stay on the CPU)")
     ap.add_argument("--resume", action="store_true", help="start from the weights in --out")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="processes that build batches ahead of the step that trains on them (BatchSource; for a "
+                         "lent GPU, where one process cannot feed it); 0 builds each batch in the training loop")
     ap.add_argument("--style-p", type=float, default=0.0,
                     help="share of training images drawn in a non-flat training renderer (never the held-out one)")
     ap.add_argument("--jpeg", type=float, default=0.0, help="chance of a JPEG re-encode of a training image")
@@ -669,6 +761,8 @@ def main(argv=None) -> None:
         ap.error("--block-focus is a share in [0, 1]")
     if not 0 <= args.contrast <= 1:
         ap.error("--contrast is a share in [0, 1]")
+    if not 0 <= args.workers <= 64:
+        ap.error("--workers is 0 (build in the loop) to 64")
     if not 0 <= args.drill <= 1:
         ap.error("--drill is a share in [0, 1]")
     if not 0 <= args.dark_canvas <= 1:
@@ -747,7 +841,7 @@ def main(argv=None) -> None:
     def state(final: bool) -> dict:
         return {"family": args.family, "size": args.size, "seed": args.seed, "steps": step, "batch": args.batch, "lr": args.lr,
                 "minutes_budget": args.minutes, "steps_budget": args.steps, "elapsed_s": round(time.time() - t0, 1),
-                "threads": args.threads, "device": args.device, "type_weights": weights, "turn_weights": turn_weights, "params": n_params, "final": final, "loss_ema": ema,
+                "threads": args.threads, "workers": args.workers, "device": args.device, "type_weights": weights, "turn_weights": turn_weights, "params": n_params, "final": final, "loss_ema": ema,
                 "max_pixels": grid["max_pixels"], "min_pixels": grid["min_pixels"],
                 "command": "python samples/train.py " + " ".join(sys.argv[1:] if argv is None else argv),
                 "earlier_runs": earlier,
@@ -769,22 +863,25 @@ def main(argv=None) -> None:
             save(model, processor, Path(args.best), state(final=False))
             print(f"best {score:.4f} at step {step} -> {args.best}", flush=True)
 
+    plan = BatchPlan(batcher, args.seed, args.batch, args.max_level, args.ramp, args.skew_until, args.warm_until,
+                     args.single_until, warm_types, weights, style, turn_weights, args.light_focus, field_weights,
+                     args.contrast, args.block_focus, args.drill)
+    source = BatchSource(plan, args.workers)
+
+    def progress_at(i: int) -> float:
+        """The progress step ``i`` will train at, as far as it is known now (exact for a --steps run)."""
+        return min(1.0, max(i / args.steps if args.steps else 0.0,
+                            (time.time() - t0) / budget_s if budget_s else 0.0))
+
     model.train()
     while progress() < 1.0:
         p = progress()
-        level = args.max_level * (min(1.0, p / args.ramp) if args.ramp > 0 else 1.0)
+        level = plan.level(p)
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
         for g in opt.param_groups:
             g["lr"] = lr * g["lr_mult"]
-        rng = random.Random(f"train-{args.seed}-{step}")
-        bias = min(1.0, max(0.0, (args.skew_until - p) / 0.3))  # (0 throughout with --skew-until 0)
-        types = warm_types if p < args.warm_until else weights
-        if args.drill > 0 and rng.random() < args.drill:  # (no draw at 0: earlier runs' streams are kept)
-            batch = batcher.drill_batch(rng, args.batch)
-        else:
-            batch = batcher.batch(rng, args.batch, level, max_turns=1 if p < args.single_until else 4, bias=bias,
-                                  types=types, style=style, turn_weights=turn_weights, light_focus=args.light_focus,
-                                  field_weights=field_weights, contrast=args.contrast, block_focus=args.block_focus)
+        bias = plan.bias(p)
+        batch = source.get(step, progress_at)
         loss = weighted_loss(model, batch.to(args.device), batcher, args.decide_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -801,6 +898,7 @@ def main(argv=None) -> None:
             save(model, processor, out, state(final=False))
             last_save = time.time()
             print(f"saved {out} at step {step}", flush=True)
+    source.close()
     if step >= args.eval_every:  # (smoke runs skip it)
         evaluate()
     save(model, processor, out, state(final=True))
