@@ -530,9 +530,7 @@ class BatchSource:
     def get(self, i: int, progress_at):
         if self.pool is None:
             return self.plan.build(i, progress_at(i))
-        while self.pending and self.pending[0][0] < i:  # (never: steps are asked for in order)
-            self.pending.popleft()
-        self.next = max(self.next, i)
+        self.next = max(self.next, i)  # (steps are asked for in order, from the first)
         while len(self.pending) < 2 * self.workers:
             self.pending.append((self.next, self.pool.apply_async(_worker_build, ((self.next, progress_at(self.next)),))))
             self.next += 1
