@@ -828,13 +828,13 @@ def main(argv=None) -> None:
         prior = json.loads((out / "train_state.json").read_text())
         earlier = prior.get("earlier_runs", []) + [{k: prior.get(k) for k in ("command", "steps", "elapsed_s", "history")}]
 
+    def progress_at(i: int) -> float:
+        """The progress step ``i`` will train at, as far as it is known now (exact for a --steps run)."""
+        return min(1.0, max(i / args.steps if args.steps else 0.0,
+                            (time.time() - t0) / budget_s if budget_s else 0.0))
+
     def progress() -> float:
-        p = 0.0
-        if args.steps:
-            p = max(p, step / args.steps)
-        if budget_s:
-            p = max(p, (time.time() - t0) / budget_s)
-        return min(p, 1.0)
+        return progress_at(step)
 
     def state(final: bool) -> dict:
         return {"family": args.family, "size": args.size, "seed": args.seed, "steps": step, "batch": args.batch, "lr": args.lr,
@@ -865,11 +865,6 @@ def main(argv=None) -> None:
                      args.single_until, warm_types, weights, style, turn_weights, args.light_focus, field_weights,
                      args.contrast, args.block_focus, args.drill)
     source = BatchSource(plan, args.workers)
-
-    def progress_at(i: int) -> float:
-        """The progress step ``i`` will train at, as far as it is known now (exact for a --steps run)."""
-        return min(1.0, max(i / args.steps if args.steps else 0.0,
-                            (time.time() - t0) / budget_s if budget_s else 0.0))
 
     model.train()
     while progress() < 1.0:
