@@ -445,14 +445,15 @@ class Batcher:
             for e in pair:
                 texts.append(self.proc.apply_chat_template(e.messages, tokenize=False))
                 images.extend(e.images)
-        enc = self.proc(text=texts, images=images or None, return_tensors="pt", padding=True)  # (a text-only batch)
-        enc["labels"] = self.labels_for(enc["input_ids"])
-        return enc
+        return self._encode(texts, images)
 
     def drill_batch(self, rng: random.Random, size: int):
         """``size`` lookup drills (:func:`episodes.drill`, text only): every answer of every turn labelled."""
-        texts = [self.proc.apply_chat_template(E.drill(rng).messages, tokenize=False) for _ in range(size)]
-        enc = self.proc(text=texts, return_tensors="pt", padding=True)
+        return self._encode([self.proc.apply_chat_template(E.drill(rng).messages, tokenize=False) for _ in range(size)])
+
+    def _encode(self, texts: list[str], images: list | None = None):
+        """The rendered conversations as one padded batch, every assistant answer labelled."""
+        enc = self.proc(text=texts, images=images or None, return_tensors="pt", padding=True)  # (a text-only batch)
         enc["labels"] = self.labels_for(enc["input_ids"])
         return enc
 
