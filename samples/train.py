@@ -221,8 +221,12 @@ class Style:
     color_jitter: int = 12
     dark: float = 0.0
 
-    def drawer(self):
+    def drawer(self, record: list | None = None):
+        """The drawing function; with ``record``, each call first appends ``(scene, rng state)`` to it, so
+        that a drawing can be made again from the same draws (:func:`count_twin`)."""
         def draw(scene, rng):
+            if record is not None:
+                record.append((scene, rng.getstate()))
             if self.dark > 0 and rng.random() < self.dark:  # no draw at 0: earlier runs' streams are kept
                 scene = dataclasses.replace(scene, background=D.dark_canvas(rng))
             style = rng.choice(D.TRAIN_STYLES[1:]) if self.p > 0 and rng.random() < self.p else "flat"
@@ -239,7 +243,7 @@ def conversation(rng: random.Random, level: float, easy_size: int, n_turns: int,
 def episode(rng: random.Random, level: float, easy_size: int, n_turns: int,
             types: dict[str, float] | None = None, bias: float = 0.0, style: Style = Style(),
             light_focus: float = 0.0, field_weights: dict[str, float] | None = None,
-            block_focus: float = 0.0) -> E.Episode:
+            block_focus: float = 0.0, draws: list | None = None) -> E.Episode:
     """One episode (vqa_eval/episodes.py) whose asked type is drawn from ``types`` (default
     :data:`TYPE_WEIGHTS`), after ``n_turns - 1`` earlier image Q/A turns.
 
@@ -254,7 +258,8 @@ def episode(rng: random.Random, level: float, easy_size: int, n_turns: int,
     from a block of two or three field lines (the asked one among others; ``field_value`` with no
     erratum after it, so the block's line holds the answer). In the split's mix a third of the
     blocks are one line, and three in four ``field_value`` answers sit in the latest erratum: the
-    lookup among other fields, where the gates miss, is the rarer case."""
+    lookup among other fields, where the gates miss, is the rarer case.
+    ``draws``: a list the drawer records each image's scene and rng state in (``Style.drawer``)."""
     types = {t: w for t, w in (TYPE_WEIGHTS if types is None else types).items() if w > 0}
     singles = {t: types.get(t, 0.0) for t in D.TYPES if types.get(t, 0.0) > 0} or None
     qtype = rng.choices(list(types), weights=list(types.values()))[0]
@@ -263,7 +268,7 @@ def episode(rng: random.Random, level: float, easy_size: int, n_turns: int,
         want_light = rng.random() < 0.5
     want_block = qtype in BLOCK_TYPES and block_focus > 0 and rng.random() < block_focus
     while True:
-        ep = E.build(rng, qtype, level=level, easy_size=easy_size, draw=style.drawer(), before=n_turns - 1,
+        ep = E.build(rng, qtype, level=level, easy_size=easy_size, draw=style.drawer(draws), before=n_turns - 1,
                      filler_types=singles)
         if want_light is not None and E.light_case(ep) != (want_light, True):
             continue
@@ -374,6 +379,30 @@ def twin(ep: E.Episode, rng: random.Random) -> E.Episode | None:
                  asked=asked)
 
 
+def count_twin(ep: E.Episode, draw, draws: list) -> E.Episode | None:
+    """The same ``count`` episode with its asked image drawn again without one shape, the answer one lower
+    (``--count-pairs``): a minimal pair for the count. The image is drawn by ``draw`` from the rng state its
+    first drawing started from (``draws[-1]``, recorded by ``Style.drawer``), so canvas, background and
+    renderer are the same draws; the shape taken out is the last one drawn (the scenes place shapes in a
+    random order), so every other shape keeps its colour draws too. What a renderer draws after the shapes
+    (noise, tint, the JPEG quality) may differ. None for another type or a single shape."""
+    if ep.type != "count" or not draws:
+        return None
+    scene, state = draws[-1]
+    assert scene is ep.scenes[-1], "the asked image is the episode's last drawing"
+    n = len(scene.objects)
+    if n < 2:
+        return None
+    fewer = dataclasses.replace(scene, objects=scene.objects[:-1])
+    again = random.Random()
+    again.setstate(state)
+    answer = D.NUMBERS[n - 2]
+    messages = copy.deepcopy(ep.messages)
+    messages[-1]["content"] = [{"type": "text", "text": answer}]
+    return E.Episode(ep.type, messages, ep.images[:-1] + [draw(fewer, again)], ep.scenes[:-1] + [fewer],
+                     ep.answers[:-1] + [answer], ep.gate)
+
+
 def find_subseq(seq: list[int], pat: list[int]) -> list[int]:
     """End indices (exclusive) of every occurrence of ``pat`` in ``seq``."""
     n = len(pat)
@@ -421,9 +450,11 @@ class Batcher:
     def batch(self, rng: random.Random, size: int, level: float, max_turns: int = 4, bias: float = 0.0,
               types: dict[str, float] | None = None, style: Style = Style(),
               turn_weights: dict[int, float] | None = None, light_focus: float = 0.0,
-              field_weights: dict[str, float] | None = None, contrast: float = 0.0, block_focus: float = 0.0):
+              field_weights: dict[str, float] | None = None, contrast: float = 0.0, block_focus: float = 0.0,
+              count_pairs: float = 0.0):
         """``size`` conversations; with ``contrast`` > 0 that share of the text-gate ones is followed
-        in the batch by its :func:`twin` (the answer flipped by one value), as long as room is left."""
+        in the batch by its :func:`twin` (the answer flipped by one value), as long as room is left;
+        with ``count_pairs`` > 0 that share of the ``count`` ones by its :func:`count_twin`."""
         texts, images = [], []
         tw = TURN_WEIGHTS if turn_weights is None else turn_weights
         turns = [n for n in tw if n <= max_turns and tw[n] > 0]
@@ -437,11 +468,14 @@ class Batcher:
             else:
                 types = {t: w for t, w in types.items() if t not in LONG_TYPES}
         while len(texts) < size:
+            draws = [] if count_pairs > 0 else None
             ep = episode(rng, level, self.easy_size, n_turns, types=types, bias=bias, style=style,
-                         light_focus=light_focus, field_weights=field_weights, block_focus=block_focus)
+                         light_focus=light_focus, field_weights=field_weights, block_focus=block_focus, draws=draws)
             pair = [ep]
             if contrast > 0 and ep.type in E.TEXT_TYPES and len(texts) + 1 < size and rng.random() < contrast:
                 pair += [t for t in [twin(ep, rng)] if t is not None]
+            if count_pairs > 0 and ep.type == "count" and len(texts) + 1 < size and rng.random() < count_pairs:
+                pair += [t for t in [count_twin(ep, style.drawer(), draws)] if t is not None]
             for e in pair:
                 texts.append(self.proc.apply_chat_template(e.messages, tokenize=False))
                 images.extend(e.images)
@@ -481,6 +515,7 @@ class BatchPlan:
     contrast: float
     block_focus: float
     drill: float
+    count_pairs: float = 0.0
 
     def level(self, p: float) -> float:
         return self.max_level * (min(1.0, p / self.ramp) if self.ramp > 0 else 1.0)
@@ -496,7 +531,7 @@ class BatchPlan:
                                   bias=self.bias(p), types=self.warm_types if p < self.warm_until else self.weights,
                                   style=self.style, turn_weights=self.turn_weights, light_focus=self.light_focus,
                                   field_weights=self.field_weights, contrast=self.contrast,
-                                  block_focus=self.block_focus)
+                                  block_focus=self.block_focus, count_pairs=self.count_pairs)
 
 
 _PLAN: BatchPlan | None = None  # a worker's copy (forked), see BatchSource
@@ -712,6 +747,9 @@ def main(argv=None) -> None:
     ap.add_argument("--contrast", type=float, default=0.0,
                     help="share of text-gate episodes followed in their batch by their minimal pair (twin: the "
                          "same episode with the deciding value changed and the answer flipped)")
+    ap.add_argument("--count-pairs", type=float, default=0.0,
+                    help="share of count episodes followed in their batch by their minimal pair (count_twin: the "
+                         "same picture drawn again with one shape taken out, the answer one lower)")
     ap.add_argument("--drill", type=float, default=0.0,
                     help="share of steps whose batch is lookup drills (episodes.drill: 4-8 text questions per "
                          "conversation, each read from a field block, errata or the policy) instead of --weight's mix")
@@ -762,6 +800,8 @@ def main(argv=None) -> None:
         ap.error("--contrast is a share in [0, 1]")
     if not 0 <= args.workers <= 64:
         ap.error("--workers is 0 (build in the loop) to 64")
+    if not 0 <= args.count_pairs <= 1:
+        ap.error("--count-pairs is a share in [0, 1]")
     if not 0 <= args.drill <= 1:
         ap.error("--drill is a share in [0, 1]")
     if not 0 <= args.dark_canvas <= 1:
@@ -846,7 +886,7 @@ def main(argv=None) -> None:
                 "earlier_runs": earlier,
                 "total_steps": step + sum(r.get("steps") or 0 for r in earlier),
                 "total_elapsed_s": round(time.time() - t0 + sum(r.get("elapsed_s") or 0 for r in earlier), 1),
-                "style_p": args.style_p, "jpeg": args.jpeg, "dark_canvas": args.dark_canvas, "light_focus": args.light_focus, "block_focus": args.block_focus, "field_weights": field_weights, "contrast": args.contrast, "drill": args.drill, "word_tokens": args.word_tokens, "unify_words": args.unify_words, "decide_weight": args.decide_weight, "layer_lr": layer_lr, "best": best,
+                "style_p": args.style_p, "jpeg": args.jpeg, "dark_canvas": args.dark_canvas, "light_focus": args.light_focus, "block_focus": args.block_focus, "field_weights": field_weights, "contrast": args.contrast, "count_pairs": args.count_pairs, "drill": args.drill, "word_tokens": args.word_tokens, "unify_words": args.unify_words, "decide_weight": args.decide_weight, "layer_lr": layer_lr, "best": best,
                 "rope_theta": model.config.get_text_config().rope_parameters["rope_theta"],
                 "rope_theta_from": theta_from,
                 "history": history[-50:]}
@@ -864,7 +904,7 @@ def main(argv=None) -> None:
 
     plan = BatchPlan(batcher, args.seed, args.batch, args.max_level, args.ramp, args.skew_until, args.warm_until,
                      args.single_until, warm_types, weights, style, turn_weights, args.light_focus, field_weights,
-                     args.contrast, args.block_focus, args.drill)
+                     args.contrast, args.block_focus, args.drill, args.count_pairs)
     source = BatchSource(plan, args.workers)
 
     model.train()

@@ -109,7 +109,8 @@ def test_training_command_smoke(tmp_path):
 def test_batch_workers_train_exactly_as_the_loop(tmp_path):
     """`train.py --workers 2` builds each batch in a forked process ahead of its step; on a --steps run
     (whose curriculum depends on the step alone) the weights after 5 steps equal, bit for bit, those of
-    the run that builds every batch in its loop. --drill 0.5 draws both kinds of batch."""
+    the run that builds every batch in its loop. --drill 0.5 draws both kinds of batch; --count-pairs 0.5
+    draws count twins (an image drawn again from a recorded rng state)."""
     from safetensors.torch import load_file
 
     weights = []
@@ -117,7 +118,7 @@ def test_batch_workers_train_exactly_as_the_loop(tmp_path):
         out = tmp_path / f"w{workers}"
         cmd = [sys.executable, str(ROOT / "samples" / "train.py"), "--family", "qwen2_5_vl", "--out", str(out),
                "--steps", "5", "--batch", "3", "--eval-every", "1000", "--warmup", "2", "--drill", "0.5",
-               "--warm-until", "0", "--weight", "field_gate=1", "--workers", str(workers)]
+               "--warm-until", "0", "--weight", "field_gate=1", "--count-pairs", "0.5", "--workers", str(workers)]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert res.returncode == 0, res.stderr[-3000:]
         assert json.loads((out / "train_state.json").read_text())["workers"] == workers

@@ -722,7 +722,7 @@ def test_decide_weight_reweights_the_last_answer_against_transformers_own_loss()
 
 @pytest.mark.parametrize("flag", [["--decide-weight", "0"], ["--decide-weight", "-1"], ["--contrast", "2"],
                                   ["--light-focus", "-0.5"], ["--dark-canvas", "1.5"], ["--drill", "1.5"],
-                                  ["--drill", "-0.1"]])
+                                  ["--drill", "-0.1"], ["--count-pairs", "1.5"]])
 def test_train_refuses_a_bad_weight_or_share_before_building_anything(tmp_path, flag, capsys):
     """A loss weight <= 0 or a share outside [0, 1] is a usage error (exit 2) naming the flag; no model is written."""
     train = _train_module()
@@ -730,3 +730,64 @@ def test_train_refuses_a_bad_weight_or_share_before_building_anything(tmp_path, 
         train.main(["--family", "qwen2_5_vl", "--out", str(tmp_path / "m"), "--steps", "1", *flag])
     assert e.value.code == 2 and flag[0] in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
+
+
+def test_count_pairs_twin_is_the_same_drawing_with_its_last_shape_taken_out():
+    """`train.py --count-pairs`: a `count` episode's twin asks the same question of the same drawing with
+    one shape fewer. With the flat renderer (colour jitter, no noise or JPEG) every pixel that changes lies
+    in the taken-out shape's box, and drawing the original scene again from the recorded rng state gives the
+    original image exactly; with the full training style the answers and scenes still pair. One shape: no twin."""
+    train = _train_module()
+    for style, exact in ((train.Style(), True), (train.Style(p=0.8, jpeg=0.15, dark=0.3), False)):
+        made = 0
+        for i in range(40):
+            rng, draws = random.Random(f"count-twin-{i}"), []
+            ep = train.episode(rng, 1.0, 56, 1 + i % 3, types={"count": 1.0}, style=style, draws=draws)
+            tw = train.count_twin(ep, style.drawer(), draws)
+            objs = ep.scenes[-1].objects
+            assert D.NUMBERS[len(objs) - 1] == ep.answer
+            if len(objs) == 1:
+                assert tw is None
+                continue
+            made += 1
+            assert tw.answer == D.NUMBERS[len(objs) - 2] and tw.scenes[-1].objects == objs[:-1]
+            assert tw.prompt_messages() == ep.prompt_messages() and tw.answers[:-1] == ep.answers[:-1]
+            assert all(a is b for a, b in zip(tw.images[:-1], ep.images[:-1]))
+            a, b = (np.asarray(x, dtype=int) for x in (ep.images[-1], tw.images[-1]))
+            assert a.shape == b.shape and (a != b).any()
+            if exact:
+                again = random.Random()
+                again.setstate(draws[-1][1])
+                assert np.array_equal(np.asarray(style.drawer()(ep.scenes[-1], again)), np.asarray(ep.images[-1]))
+                o = objs[-1]
+                ys, xs = np.nonzero((a != b).any(-1))
+                assert (np.abs(xs - o.cx) <= o.size / 2 + 2).all() and (np.abs(ys - o.cy) <= o.size / 2 + 2).all()
+        assert made >= 25, made
+    assert train.count_twin(train.episode(random.Random(0), 1.0, 56, 1, types={"color": 1.0}, draws=[]), train.Style().drawer(), []) is None
+
+
+def test_count_pairs_batch_holds_each_count_next_to_its_twin():
+    """`--count-pairs 1`: a batch of count questions comes in pairs (n shapes, then n - 1) where n > 1;
+    0 draws nothing extra (the data stream of earlier runs is kept)."""
+    from transformers import AutoProcessor
+
+    train = _train_module()
+    processor = AutoProcessor.from_pretrained(ROOT / "samples" / "models" / "qwen2_5_vl-tiny", local_files_only=True)
+    batcher = train.Batcher(processor, "qwen2_5_vl")
+    batch = batcher.batch(random.Random(5), 12, 1.0, max_turns=1, types={"count": 1.0}, count_pairs=1.0)
+    answers = [processor.tokenizer.decode([t for t in row if t >= 0]).replace("<|im_end|>", "").strip()
+               for row in batch["labels"].tolist()]
+    numbers = [D.NUMBERS.index(a) + 1 for a in answers]
+    k, pairs = 0, 0
+    while k < len(numbers):
+        if numbers[k] > 1 and k + 1 < len(numbers):
+            assert numbers[k + 1] == numbers[k] - 1, numbers
+            k, pairs = k + 2, pairs + 1
+        else:
+            k += 1
+    assert pairs >= 3 and len(numbers) == 12, numbers
+    plain_rng, batch_rng = random.Random(5), random.Random(5)
+    batcher.batch(batch_rng, 6, 1.0, max_turns=1, types={"count": 1.0})
+    for _ in range(6):
+        train.episode(plain_rng, 1.0, batcher.easy_size, 1, types={"count": 1.0})
+    assert plain_rng.random() == batch_rng.random()
