@@ -792,20 +792,11 @@ def main(argv=None) -> None:
         if not 0 < m < float("inf"):
             ap.error(f"--layer-lr {item!r}: the multiple is > 0")
         layer_lr[i] = m
-    if not 0 <= args.light_focus <= 1:
-        ap.error("--light-focus is a share in [0, 1]")
-    if not 0 <= args.block_focus <= 1:
-        ap.error("--block-focus is a share in [0, 1]")
-    if not 0 <= args.contrast <= 1:
-        ap.error("--contrast is a share in [0, 1]")
+    for share in ("light_focus", "block_focus", "contrast", "count_pairs", "drill", "dark_canvas"):
+        if not 0 <= getattr(args, share) <= 1:  # (NaN fails it too)
+            ap.error(f"--{share.replace('_', '-')} is a share in [0, 1]")
     if not 0 <= args.workers <= 64:
         ap.error("--workers is 0 (build in the loop) to 64")
-    if not 0 <= args.count_pairs <= 1:
-        ap.error("--count-pairs is a share in [0, 1]")
-    if not 0 <= args.drill <= 1:
-        ap.error("--drill is a share in [0, 1]")
-    if not 0 <= args.dark_canvas <= 1:
-        ap.error("--dark-canvas is a share in [0, 1]")
     if not args.decide_weight > 0:
         ap.error("--decide-weight is a loss weight > 0")
     if not any(turn_weights.values()):
