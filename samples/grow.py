@@ -16,8 +16,12 @@ lookup get more of it without the hours of retraining from scratch.
 several. ``--mlp N`` widens every LM layer's MLP to ``N`` units (the "wider" half): the new units'
 input rows (``gate_proj``, ``up_proj``) get the random initialisation and their ``down_proj`` columns
 start at zero, so they too add nothing until trained (the logits then agree up to float32 rounding:
-a longer reduction sums in another order). Qwen3-VL adds its deepstack visual features after its first ``len(deepstack_visual_indexes)``
-layers, so a layer inserted before the last of those would receive them instead: refused.
+a longer reduction sums in another order). ``--vision-after i`` inserts a vision block after the
+vision tower's block ``i`` the same way (its attention ``proj`` and its MLP's last projection start at
+zero); the config's per-block lists follow the source blocks: Qwen3-VL's deepstack taps stay after the
+same blocks, and in Qwen2.5-VL a new block attends in full where the block before it does. Qwen3-VL
+adds its deepstack visual features after its first ``len(deepstack_visual_indexes)`` LM layers, so an
+LM layer inserted before the last of those would receive them instead: refused.
 
 The other files (tokenizer, processor, chat template) are copied; ``train_state.json`` keeps the
 source's training record, with the growth as its latest run (0 steps), so the chain of commands in
@@ -43,6 +47,10 @@ COPIED = ("generation_config.json", "chat_template.jinja", "processor_config.jso
 LAYER = re.compile(r"^(.*language_model\.layers\.)(\d+)\.(.*)$")
 #: The residual branches' output projections: zero in a new layer, so the layer adds nothing.
 ZEROED = ("self_attn.o_proj.", "mlp.down_proj.")
+#: The same for a vision block (``visual.blocks.N``): Qwen2-VL's MLP ends in ``fc2``, Qwen2.5-VL's in
+#: ``down_proj``, Qwen3-VL's in ``linear_fc2``.
+VISION_BLOCK = re.compile(r"^(.*visual\.blocks\.)(\d+)\.(.*)$")
+VISION_ZEROED = ("attn.proj.", "mlp.fc2.", "mlp.down_proj.", "mlp.linear_fc2.")
 
 
 def deepstack_layers(config) -> int:
@@ -65,8 +73,26 @@ def layer_plan(n_layers: int, after: list[int], deepstack: int = 0) -> list[int 
     return plan
 
 
-def grown_config(config, plan: list[int | None], mlp: int | None = None):
+def _remap(indexes: list[int], plan: list[int | None], follow: bool) -> list[int]:
+    """Block indexes of the source (deepstack taps, full-attention blocks) in the grown stack; with
+    ``follow`` a new block joins the set when the block before it is in it (it takes its type)."""
+    out, last = [], False
+    for j, src in enumerate(plan):
+        last = src in indexes if src is not None else (last and follow)
+        if last:
+            out.append(j)
+    return out
+
+
+def grown_config(config, plan: list[int | None], mlp: int | None = None, vision_plan: list[int | None] | None = None):
     new = copy.deepcopy(config)
+    if vision_plan is not None:
+        vision = new.vision_config
+        vision.depth = len(vision_plan)
+        if getattr(vision, "deepstack_visual_indexes", None):  # tapped after the same source blocks
+            vision.deepstack_visual_indexes = _remap(vision.deepstack_visual_indexes, vision_plan, follow=False)
+        if getattr(vision, "fullatt_block_indexes", None) is not None:  # Qwen2.5-VL: windowed or full per block
+            vision.fullatt_block_indexes = _remap(vision.fullatt_block_indexes, vision_plan, follow=True)
     text = new.text_config
     if mlp is not None:
         text.intermediate_size = mlp
@@ -99,7 +125,8 @@ def _copy_into(tensor: torch.Tensor, old: torch.Tensor, rest: str) -> None:
         raise ValueError(f"{rest}: {tuple(old.shape)} does not fit {tuple(tensor.shape)}")
 
 
-def grow(src: Path, out: Path, after: list[int], seed: int = 0, mlp: int | None = None) -> dict:
+def grow(src: Path, out: Path, after: list[int], seed: int = 0, mlp: int | None = None,
+         vision_after: list[int] | None = None) -> dict:
     """Write the grown checkpoint to ``out``; returns the record also kept in its train_state.json."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -110,24 +137,32 @@ def grow(src: Path, out: Path, after: list[int], seed: int = 0, mlp: int | None 
     config = AutoConfig.from_pretrained(src, local_files_only=True)
     n_old = config.text_config.num_hidden_layers
     width = config.text_config.intermediate_size
-    if not after and mlp is None:
-        raise ValueError("nothing to grow: give --after or --mlp")
+    vision_after = sorted(vision_after or [])
+    if not after and mlp is None and not vision_after:
+        raise ValueError("nothing to grow: give --after, --vision-after or --mlp")
     if mlp is not None and mlp <= width:
         raise ValueError(f"--mlp {mlp}: the MLP already has {width} units; give more")
     plan = layer_plan(n_old, sorted(after), deepstack_layers(config))
+    depth = config.vision_config.depth
+    try:
+        vision_plan = layer_plan(depth, vision_after) if vision_after else None
+    except ValueError as e:  # the same check, named for the vision option
+        raise ValueError(str(e).replace("--after", "--vision-after").replace("layers", "vision blocks")) from None
     source = AutoModelForImageTextToText.from_pretrained(src, local_files_only=True)
     old = source.state_dict()
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(grown_config(config, plan, mlp)).to(next(source.parameters()).dtype)
+    model = AutoModelForImageTextToText.from_config(grown_config(config, plan, mlp, vision_plan)).to(next(source.parameters()).dtype)
     state = model.state_dict()
     for name, tensor in state.items():
-        m = LAYER.match(name)
+        m, stack, zeroed = LAYER.match(name), plan, ZEROED
+        if m is None and vision_plan is not None:
+            m, stack, zeroed = VISION_BLOCK.match(name), vision_plan, VISION_ZEROED
         if m is None:
             src_name = name
-        elif plan[int(m.group(2))] is not None:
-            src_name = f"{m.group(1)}{plan[int(m.group(2))]}.{m.group(3)}"
-        else:  # a new layer: its own init, its residual outputs at zero
-            if m.group(3).startswith(ZEROED):
+        elif stack[int(m.group(2))] is not None:
+            src_name = f"{m.group(1)}{stack[int(m.group(2))]}.{m.group(3)}"
+        else:  # a new layer or block: its own init, its residual outputs at zero
+            if m.group(3).startswith(zeroed):
                 tensor.zero_()
             continue
         if src_name not in old:
@@ -145,11 +180,15 @@ def grow(src: Path, out: Path, after: list[int], seed: int = 0, mlp: int | None 
     record = {"grown_from": str(src), "after": sorted(after), "layers": [n_old, len(plan)],
               "mlp": [width, mlp or width],
               "new_layers": [j for j, s in enumerate(plan) if s is None], "seed": seed, "params": params}
+    if vision_plan is not None:
+        record.update(vision_after=vision_after, vision_blocks=[depth, len(vision_plan)],
+                      new_vision_blocks=[j for j, s in enumerate(vision_plan) if s is None])
     earlier = list(prior.get("earlier_runs", []))
     if prior:
         earlier.append({k: prior.get(k) for k in ("command", "steps", "elapsed_s", "history")})
     keep = {k: prior[k] for k in ("family", "size", "max_pixels", "min_pixels", "word_tokens") if k in prior}
-    args = " ".join([f"--after {i}" for i in sorted(after)] + ([f"--mlp {mlp}"] if mlp else []))
+    args = " ".join([f"--after {i}" for i in sorted(after)] + [f"--vision-after {i}" for i in vision_after]
+                    + ([f"--mlp {mlp}"] if mlp else []))
     (out / "train_state.json").write_text(json.dumps({
         **keep, "command": f"python samples/grow.py --out {out} {args} --seed {seed} {src}", "steps": 0,
         "elapsed_s": 0.0, "history": [], "earlier_runs": earlier, "params": params, "grow": record,
@@ -163,12 +202,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True, help="output checkpoint directory")
     ap.add_argument("--after", type=int, action="append", default=[], metavar="I",
                     help="insert a new layer after source layer I (0-based; repeatable)")
+    ap.add_argument("--vision-after", type=int, action="append", default=[], metavar="I",
+                    help="insert a new vision block after source block I (0-based; repeatable)")
     ap.add_argument("--mlp", type=int, default=None, metavar="N", help="widen every LM layer's MLP to N units")
     ap.add_argument("--seed", type=int, default=0, help="seed of the new layers' initialisation")
     ap.add_argument("src", type=Path, help="source checkpoint directory")
     args = ap.parse_args(argv)
     try:
-        record = grow(args.src, args.out, args.after, args.seed, args.mlp)
+        record = grow(args.src, args.out, args.after, args.seed, args.mlp, args.vision_after)
     except ValueError as e:
         sys.exit(f"grow: {e}")
     print(json.dumps(record, indent=1))

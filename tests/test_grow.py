@@ -164,3 +164,43 @@ def test_grown_checkpoint_resumes_in_train_py_with_faster_new_layers(tiny_dirs, 
     state = json.loads((out / "train_state.json").read_text())
     assert state["layer_lr"] == {"2": 10.0} and state["steps"] == 2
     assert state["earlier_runs"][-1]["command"].startswith("python samples/grow.py")
+
+
+@pytest.mark.parametrize("family, vision_after, taps", [
+    ("qwen2_5_vl", [0, 1], ("fullatt_block_indexes", [0, 1, 2, 3])),  # a new block takes its predecessor's type
+    ("qwen3_vl", [0], ("deepstack_visual_indexes", [0, 2])),  # still tapped after source blocks 0 and 1
+    ("qwen2_vl", [1], None),
+])
+def test_grown_vision_tower_computes_exactly_what_the_source_did(tiny_dirs, tmp_path, family, vision_after, taps):
+    """`--vision-after I`: a vision block inserted after source block I starts as the identity (its
+    attention and MLP output projections zero), so the logits are unchanged; it trains."""
+    G = _grow()
+    src = tiny_dirs[family]
+    rec = G.grow(src, tmp_path / "v", [], seed=5, vision_after=vision_after)
+    depth = 2 + len(vision_after)  # the fixture's vision towers have 2 blocks
+    assert rec["vision_blocks"] == [2, depth] and rec["layers"] == [3, 3]
+    grown = _model(tmp_path / "v")
+    assert grown.config.vision_config.depth == depth
+    if taps:
+        assert getattr(grown.config.vision_config, taps[0]) == taps[1]
+    enc = _inputs(src)
+    with torch.no_grad():
+        torch.testing.assert_close(grown(**enc).logits, _model(src)(**enc).logits, rtol=0, atol=1e-6)
+    blocks = grown.model.visual.blocks
+    assert len(blocks) == depth and len(rec["new_vision_blocks"]) == len(vision_after)
+    grown.train()
+    grown(**enc, labels=enc["input_ids"]).loss.backward()
+    for j in rec["new_vision_blocks"]:
+        out = [p for n, p in blocks[j].named_parameters() if n.startswith(G.VISION_ZEROED) and n.endswith("weight")]
+        assert len(out) == 2 and not any(p.any() for p in out)  # zero at the start ...
+        assert all(p.grad.abs().sum() > 0 for p in out)  # ... and a gradient moves them
+    assert "--vision-after" in json.loads((tmp_path / "v" / "train_state.json").read_text())["command"]
+
+
+def test_vision_plans_are_checked_and_remapped(tiny_dirs, tmp_path):
+    G = _grow()
+    assert G._remap([1], [0, None, 1, None], follow=True) == [2, 3]  # windowed block 0 stays windowed
+    assert G._remap([1], [0, None, 1, None], follow=False) == [2]
+    with pytest.raises(ValueError, match="--vision-after 2: the model has vision blocks 0-1"):
+        G.grow(tiny_dirs["qwen2_5_vl"], tmp_path / "v", [], vision_after=[2])
+    assert not (tmp_path / "v").exists()
