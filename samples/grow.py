@@ -58,11 +58,13 @@ def deepstack_layers(config) -> int:
     return len(getattr(config.vision_config, "deepstack_visual_indexes", None) or [])
 
 
-def layer_plan(n_layers: int, after: list[int], deepstack: int = 0) -> list[int | None]:
-    """The grown stack as source layer indexes, ``None`` for a new layer; ValueError on a bad plan."""
+def layer_plan(n_layers: int, after: list[int], deepstack: int = 0, option: str = "--after",
+               unit: str = "layers") -> list[int | None]:
+    """The grown stack as source layer indexes, ``None`` for a new layer; ValueError on a bad plan
+    (named for ``option``, which inserts after one of the model's ``unit``)."""
     for i in after:
         if not 0 <= i < n_layers:
-            raise ValueError(f"--after {i}: the model has layers 0-{n_layers - 1}")
+            raise ValueError(f"{option} {i}: the model has {unit} 0-{n_layers - 1}")
         if i < deepstack - 1:
             raise ValueError(f"--after {i}: deepstack features enter after layers 0-{deepstack - 1}; "
                              f"a layer inserted before the last of them would receive one instead")
@@ -144,10 +146,7 @@ def grow(src: Path, out: Path, after: list[int], seed: int = 0, mlp: int | None 
         raise ValueError(f"--mlp {mlp}: the MLP already has {width} units; give more")
     plan = layer_plan(n_old, sorted(after), deepstack_layers(config))
     depth = config.vision_config.depth
-    try:
-        vision_plan = layer_plan(depth, vision_after) if vision_after else None
-    except ValueError as e:  # the same check, named for the vision option
-        raise ValueError(str(e).replace("--after", "--vision-after").replace("layers", "vision blocks")) from None
+    vision_plan = layer_plan(depth, vision_after, option="--vision-after", unit="vision blocks") if vision_after else None
     source = AutoModelForImageTextToText.from_pretrained(src, local_files_only=True)
     old = source.state_dict()
     torch.manual_seed(seed)
