@@ -207,15 +207,15 @@ from mmkv.vqa_eval.cli import eval_command  # noqa: E402  (its heavy imports hap
 
 app.command(name="eval")(eval_command)
 
-from mmkv.bench import bench_command  # noqa: E402  (its heavy imports happen inside)
+from mmkv.bench.command import bench_command  # noqa: E402  (its heavy imports happen inside)
 
 app.command(name="bench")(bench_command)
 
-from mmkv.bench_tiers import bench_tiers_command  # noqa: E402  (its heavy imports happen inside)
+from mmkv.bench.tiers import bench_tiers_command  # noqa: E402  (its heavy imports happen inside)
 
 app.command(name="bench-tiers")(bench_tiers_command)
 
-from mmkv.bench_concurrency import bench_concurrency_command  # noqa: E402  (its heavy imports happen inside)
+from mmkv.bench.concurrency import bench_concurrency_command  # noqa: E402  (its heavy imports happen inside)
 
 app.command(name="bench-concurrency")(bench_concurrency_command)
 

@@ -1,4 +1,4 @@
-"""The engine: one model, its image and skill registries (mmkv.registry), the KV store (image and
+"""The engine: one model, its image and skill registries (mmkv.request.registry), the KV store (image and
 skill chunks, prefix blocks) and generation with reuse.
 
 Life of a request (docs/structure.md): parse messages -> decode/hash images -> render the chat
@@ -22,23 +22,23 @@ import torch
 from transformers import DynamicCache
 
 from mmkv.adapters import ImageFeatures, VLAdapter, load_adapter
-from mmkv.edits import parse_edit_policy
-from mmkv.fingerprint import model_fingerprint
+from mmkv.request.edits import parse_edit_policy
+from mmkv.store.fingerprint import model_fingerprint
 from mmkv.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from mmkv.hub import resolve_model
 from mmkv.images import DEFAULT_MAX_IMAGE_PIXELS, PreparedImage
-from mmkv.kv_store import KVStore
-from mmkv.messages import parse_messages
-from mmkv.prefix_cache import PrefixCache
-from mmkv.decode import DecodeStream
-from mmkv.sampling import SamplingParams, TokenLogprob, TokenTexts
-from mmkv.tools import ContentFilter, ToolCall, ToolSpec
-from mmkv.place import EditReport, KVPlacer
-from mmkv.plan import PROCESSOR_ONLY, Planner, SplicePlan, check_policy, check_seam_tokens, check_stops
-from mmkv.registry import ImageInfo, Registries, RegisteredImage, SkillInfo, check_skill
-from mmkv.registry import image_id_for  # noqa: F401  re-exported: mmkv.bench_run imports it from here
-from mmkv.splice import PrefillResult, prefill_full
-from mmkv.tiers import StoreConfig, Tiers, digest_cache_path
+from mmkv.store.kv_store import KVStore
+from mmkv.request.messages import parse_messages
+from mmkv.store.prefix_cache import PrefixCache
+from mmkv.request.decode import DecodeStream
+from mmkv.request.sampling import SamplingParams, TokenLogprob, TokenTexts
+from mmkv.request.tools import ContentFilter, ToolCall, ToolSpec
+from mmkv.request.place import EditReport, KVPlacer
+from mmkv.request.plan import PROCESSOR_ONLY, Planner, SplicePlan, check_policy, check_seam_tokens, check_stops
+from mmkv.request.registry import ImageInfo, Registries, RegisteredImage, SkillInfo, check_skill
+from mmkv.request.registry import image_id_for  # noqa: F401  re-exported: mmkv.bench.run imports it from here
+from mmkv.request.splice import PrefillResult, prefill_full
+from mmkv.store.tiers import StoreConfig, Tiers, digest_cache_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_MODEL = REPO_ROOT / "samples" / "models" / "qwen2_5_vl-tiny"
@@ -192,7 +192,7 @@ class Engine:
         self.fingerprint = model_fingerprint(adapter, digest_cache=digest_cache_path(store))
         ip = adapter.processor.image_processor
         self.grid_settings = f"{ip.size}|patch={ip.patch_size}|merge={ip.merge_size}"
-        # the request's stage before placement: template, tokens, positions (mmkv.plan)
+        # the request's stage before placement: template, tokens, positions (mmkv.request.plan)
         self.planner = Planner(adapter)
         self.anchor_ids = self.planner.anchor_ids() if self.settings.anchor == "system" \
             else torch.empty(0, dtype=torch.long)
@@ -202,11 +202,11 @@ class Engine:
         self.token_texts = TokenTexts(adapter.tokenizer)
         limit = adapter.text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context or limit, limit)
-        # place cached KV (edit detection, edit policies, prefix cache, splice): mmkv.place
+        # place cached KV (edit detection, edit policies, prefix cache, splice): mmkv.request.place
         self.placer = KVPlacer(adapter, self.cache, self.prefix, self.settings, self.planner.plan, self.max_context)
         # Disk and shared tiers under the RAM store (None: RAM only); their uploads and skills come back.
         self.tiers = Tiers.open(store, self.fingerprint, adapter.num_layers, adapter.dtype, adapter.device)
-        # uploads, skills and their chunks' KV (RAM, the tiers, else precompiled): mmkv.registry
+        # uploads, skills and their chunks' KV (RAM, the tiers, else precompiled): mmkv.request.registry
         self.registry = Registries(adapter, self.settings, self.cache, self.tiers, self.fingerprint,
                                    self.grid_settings, self.anchor_ids, self.max_context)
         self.registry.restore()
@@ -222,7 +222,7 @@ class Engine:
         """Load a local checkpoint dir or a hub id in the local hub cache (None = the bundled sample
         model) and wrap it. `dtype`: float32 / bfloat16 / float16; `device`: cpu / cuda / cuda:N.
         `store_dir` (a directory, or "auto": ~/.cache/mmkv/<fingerprint>) adds the disk tier with
-        `store_bytes` of chunk KV, `redis_url` the shared tier (mmkv/tiers.py), or `mooncake_master`
+        `store_bytes` of chunk KV, `redis_url` the shared tier (mmkv/store/tiers.py), or `mooncake_master`
         (HOST:PORT, with `mooncake_metadata`) on Mooncake Store instead; none: RAM only. `store_options`:
         more StoreConfig fields (timeouts, Mooncake segment and buffer, the write queue's bound)."""
         if model_dir is None:
@@ -364,13 +364,13 @@ class Engine:
                  tool_choice: str | dict | None = None) -> Run:
         """Validate, plan and place one request's cached KV; returns its `Run`, whose forward
         (`Run.prefill`: whole, or chunked between decode steps) and decoding `generate` or the
-        scheduler drives (mmkv.scheduler). The same arguments as `generate`.
+        scheduler drives (mmkv.request.scheduler). The same arguments as `generate`.
 
         Answer OpenAI-shaped `messages`. `reuse=False` is the reference: one full causal forward.
 
         With reuse, images and skills are spliced from their cached KV and the longest cached
         prompt prefix is reused. `edit_policy` decides what happens when the prompt equals a recent
-        one except for a short changed field (see mmkv.edits). `on_text(delta)` receives text as
+        one except for a short changed field (see mmkv.request.edits). `on_text(delta)` receives text as
         it is decoded; `should_stop()` is polled between tokens. `fidelity=True` also runs the
         full recompute and reports how far the first logits are (then the forward runs whole here).
 
@@ -387,7 +387,7 @@ class Engine:
         tokens that produced no text: each token exactly once. Bad values raise
         InvalidRequestError with the parameter's name as `param`.
 
-        `tools` / `tool_choice` (OpenAI's function tools, mmkv.tools) render through the chat
+        `tools` / `tool_choice` (OpenAI's function tools, mmkv.request.tools) render through the chat
         template (refused when it has no tool support); `<tool_call>` blocks in the answer become
         `result.tool_calls` (finish_reason "tool_calls") and never reach `on_text`.
         """

@@ -5,7 +5,7 @@
     python samples/train.py --family qwen2_5_vl --out /tmp/smoke --steps 20          # smoke run
 
 The model is the real architecture (Qwen2.5-VL: sectioned M-RoPE; Qwen3-VL: interleaved M-RoPE and
-deepstack) at a small size, built with :mod:`mmkv.tiny`. Training data are conversations rendered
+deepstack) at a small size, built with :mod:`mmkv.testing.tiny`. Training data are conversations rendered
 with the processor's chat template: a system turn, 0-3 earlier user turns (image + question) with
 their answers, then a question about the image in the last user turn. The loss covers the answer
 tokens (and the closing ``<|im_end|>``) of every assistant turn, so every image is supervised and
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from mmkv import tiny
-from mmkv.messages import erratum_line
+from mmkv.request.messages import erratum_line
 from mmkv.vqa_eval import dataset as D
 from mmkv.vqa_eval import episodes as E
 

@@ -43,7 +43,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
     image threads): do not call it from elsewhere while the app runs."""
     worker = EngineWorker(engine, settings.max_queue, settings.max_batch, settings.prefill_chunk)
     metrics = ServerMetrics(worker.live_stats, lambda: worker.queue_depth)
-    tiers = getattr(engine, "tiers", None)  # disk / shared tiers (mmkv/tiers.py): durable files, shared tenants
+    tiers = getattr(engine, "tiers", None)  # disk / shared tiers (mmkv/store/tiers.py): durable files, shared tenants
     ctx = ServerContext(
         worker=worker, metrics=metrics, settings=settings,
         keys=KeyRing(settings.api_keys, secret=tiers.tenant_secret() if tiers is not None else None),

@@ -71,7 +71,7 @@ class FileStore:
         self.nbytes = 0
         self._files: dict[tuple[str, str], StoredFile] = {}
         self._usage: dict[str, _Usage] = {}
-        # mmkv.durable_registry.DurableRegistry (disk / shared tier) or None: files that outlive the
+        # mmkv.store.durable_registry.DurableRegistry (disk / shared tier) or None: files that outlive the
         # process and that other servers on the same shared tier uploaded (docs/server.md, tiers).
         self.durable = durable
         for rec in durable.local("file") if durable is not None else ():

@@ -1,6 +1,6 @@
 """The engine's two threads and the bounded queue in front of them.
 
-Generations go to the scheduler (mmkv.scheduler: continuous batching, prefills run a chunk at a
+Generations go to the scheduler (mmkv.request.scheduler: continuous batching, prefills run a chunk at a
 time between batched decode steps); every other engine call (add an image, add a skill, drop one) is
 a `Job` run on the worker thread, one at a time, in arrival order. Both take the engine's lock
 for model work, so they interleave rather than race. Async handlers submit and await the job's
@@ -71,7 +71,7 @@ class EngineWorker:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
         self.max_queue = max_queue
-        from mmkv.scheduler import Scheduler  # here: importing the server must not import torch
+        from mmkv.request.scheduler import Scheduler  # here: importing the server must not import torch
 
         self.scheduler = Scheduler(engine, max_batch, prefill_chunk)
         self.stats: dict[str, Any] = {}

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from mmkv.tiny import FAMILIES, save_tiny_checkpoint
+from mmkv.testing.tiny import FAMILIES, save_tiny_checkpoint
 
 torch.set_num_threads(1)
 # `mmkv serve` keeps a disk tier under ~/.cache/mmkv by default: servers the tests start stay RAM-only

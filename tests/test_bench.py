@@ -96,7 +96,7 @@ def test_agent_session_adds_up_and_matches_its_plan(report):
     blocks only; mmkv runs the vision tower once per new screenshot, never for one shown again."""
     from dataclasses import asdict
 
-    from mmkv.bench_run import agent_script
+    from mmkv.bench.run import agent_script
 
     a = report["agent"]
     script = agent_script(3, 0)  # seeded: the same session every run
@@ -121,7 +121,7 @@ def test_agent_session_adds_up_and_matches_its_plan(report):
 
 
 def test_full_size_config_refused_when_memory_is_short(monkeypatch):
-    import mmkv.bench_run as bench_run
+    import mmkv.bench.run as bench_run
 
     monkeypatch.setattr(bench_run, "_available_bytes", lambda device: 1 << 30)
     with pytest.raises(bench_run.BenchError, match=r"qwen2.5-vl-7b needs 1[0-9]\.\d GiB of cpu memory"):

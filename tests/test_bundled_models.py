@@ -193,7 +193,7 @@ def test_save_tiny_checkpoint_keeps_a_given_tokenizer(tmp_path):
     """A trained tokenizer passed to save_tiny_checkpoint is the one the checkpoint loads with."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from mmkv.tiny import DEFAULT_CORPUS, build_tokenizer, save_tiny_checkpoint
+    from mmkv.testing.tiny import DEFAULT_CORPUS, build_tokenizer, save_tiny_checkpoint
 
     tok = build_tokenizer(list(DEFAULT_CORPUS) + ["<|im_start|>assistant\nzebra zebra<|im_end|>"] * 20, vocab_size=420)
     default = build_tokenizer()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mmkv import Engine
-from mmkv.scheduler import Scheduler
+from mmkv.request.scheduler import Scheduler
 
 from conftest import make_png
 

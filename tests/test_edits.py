@@ -1,7 +1,7 @@
 """Issue 11: field-change detection never mistakes a new question for an edit, and every edit
 policy either applies or falls back to the exact path, saying why.
 
-Oracles: the rule in mmkv/edits.py (ground truth by construction of each case), and the exact
+Oracles: the rule in mmkv/request/edits.py (ground truth by construction of each case), and the exact
 reuse path (`edit_policy="recompute"`, itself held to the block-masked forward elsewhere) or
 `reuse=False` for text-only prompts, within the splice tolerance.
 """
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from mmkv import Engine
-from mmkv.messages import erratum_line
-from mmkv.prefix_cache import BLOCK_TOKENS
+from mmkv.request.messages import erratum_line
+from mmkv.store.prefix_cache import BLOCK_TOKENS
 
 from conftest import make_png
 
@@ -305,7 +305,7 @@ def test_a_failing_policy_recomputes_and_says_why(engine, monkeypatch):
     def broken(*args, **kwargs):
         raise StopIteration("injected")
 
-    monkeypatch.setattr("mmkv.place.prefill_edited", broken)
+    monkeypatch.setattr("mmkv.request.place.prefill_edited", broken)
     engine.generate(_with_field("order_status: {v}", "pending"), max_new_tokens=1, tenant="broken")
     msgs = _with_field("order_status: {v}", "shipped")
     r = engine.generate(msgs, max_new_tokens=1, tenant="broken", edit_policy="in_place")
@@ -342,7 +342,7 @@ def test_recent_prompts_keep_no_chunk_alive_and_are_counted(tiny_dirs):
 
 
 def _substitution_reference(new, old, max_tokens):
-    """mmkv.edits._substitution as first written (every (x, y) in turn): the rule's stored meaning."""
+    """mmkv.request.edits._substitution as first written (every (x, y) in turn): the rule's stored meaning."""
     start = new.common_prefix(old)
     if start >= len(old):
         return None
@@ -368,7 +368,7 @@ def test_substitution_equals_the_reference_on_repetitive_prompts():
     cheap checks: the pruned search must pick the very substitution the exhaustive one does."""
     import numpy as np
 
-    from mmkv.edits import TokenView, _substitution
+    from mmkv.request.edits import TokenView, _substitution
 
     rng = random.Random(13)
     found = 0
@@ -396,8 +396,8 @@ def test_values_that_are_added_word_tokens_are_still_fields(tmp_path):
     (`<tool_call>`-like, special or not) stays off limits: a change touching it is no edit."""
     from tokenizers import AddedToken
 
-    from mmkv.place import template_tokens_of
-    from mmkv.tiny import build_tokenizer, save_tiny_checkpoint
+    from mmkv.request.place import template_tokens_of
+    from mmkv.testing.tiny import build_tokenizer, save_tiny_checkpoint
 
     tok = build_tokenizer()
     tok.add_tokens([AddedToken(w, single_word=True, normalized=False) for w in ("pending", "shipped", "order_status")]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from mmkv.kv_store import KVStore
+from mmkv.store.kv_store import KVStore
 
 
 @dataclass

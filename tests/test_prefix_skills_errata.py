@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from mmkv import Engine, UnknownSkillError
-from mmkv.messages import erratum_line
-from mmkv.oracle import block_masked_logits
-from mmkv.prefix_cache import BLOCK_TOKENS, block_keys
-from mmkv.splice import prefill_spliced
+from mmkv.request.messages import erratum_line
+from mmkv.request.oracle import block_masked_logits
+from mmkv.store.prefix_cache import BLOCK_TOKENS, block_keys
+from mmkv.request.splice import prefill_spliced
 
 from conftest import INIT, _rope, make_png
 
@@ -160,7 +160,7 @@ def test_skills_are_per_tenant(engine):
 # ---- errata ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def long_engine(tmp_path_factory):
-    from mmkv.tiny import save_tiny_checkpoint
+    from mmkv.testing.tiny import save_tiny_checkpoint
 
     d = save_tiny_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("long") / "m", seed=5, initializer_range=INIT,
                              text={"rope_parameters": _rope("qwen2_5_vl"), "initializer_range": INIT,
@@ -291,7 +291,7 @@ def test_selective_with_every_token_equals_recompute_and_zero_equals_in_place(en
 
 # ---- prefix blocks inside a spliced chunk reference it ----------------------------------------------
 def _ref_blocks(engine, chunk_key: str) -> list:
-    from mmkv.prefix_cache import ChunkRefBlock
+    from mmkv.store.prefix_cache import ChunkRefBlock
 
     return [e for e in engine.cache._entries.values() if isinstance(e, ChunkRefBlock) and e.chunk.key == chunk_key]
 
@@ -311,7 +311,7 @@ def _oracle_gap(engine, msgs, tenant: str, result) -> float:
 
 
 def test_blocks_inside_a_spliced_skill_reference_it_and_are_exact(engine):
-    from mmkv.prefix_cache import REF_BYTES
+    from mmkv.store.prefix_cache import REF_BYTES
 
     tenant = "refs"
     sid = engine.add_skill("long policy", POLICY * 4, tenant=tenant)
@@ -435,7 +435,7 @@ def test_read_blocks_equals_each_blocks_own_kv_across_references_and_copies(engi
     """The edit policies read an older prompt's KV with `read_blocks` / `write_blocks`, which turn
     each run of references to one chunk once; the reference is every block's own `keys` / `values`
     (a ChunkRefBlock turns its slice of the chunk alone), concatenated and sliced."""
-    from mmkv.prefix_cache import ChunkRefBlock, PrefixBlock, read_blocks, write_blocks
+    from mmkv.store.prefix_cache import ChunkRefBlock, PrefixBlock, read_blocks, write_blocks
 
     tenant = "read-blocks"
     sid = engine.add_skill("long policy", POLICY * 4, tenant=tenant)

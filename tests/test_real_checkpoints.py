@@ -1,4 +1,4 @@
-"""Real-shape checkpoints (mmkv.realshape): Qwen's real tokenizer, the released chat templates and
+"""Real-shape checkpoints (mmkv.testing.realshape): Qwen's real tokenizer, the released chat templates and
 processor settings, the released per-layer shapes, random weights, loaded from a hub cache by id.
 
 Each conformance test is checked against transformers' own processor (apply_chat_template with
@@ -26,10 +26,10 @@ from mmkv.adapters import ImageFeatures, load_adapter
 from mmkv.cli import app
 from mmkv.errors import ModelLoadError
 from mmkv.hub import resolve_model
-from mmkv.oracle import block_masked_logits
-from mmkv.realshape import QWEN2_5_VL_YARN, RELEASED, SPECIAL_IDS, save_real_checkpoint
-from mmkv.rerotate import reposition_keys
-from mmkv.splice import precompile_image, prefill_spliced
+from mmkv.request.oracle import block_masked_logits
+from mmkv.testing.realshape import QWEN2_5_VL_YARN, RELEASED, SPECIAL_IDS, save_real_checkpoint
+from mmkv.kv.rerotate import reposition_keys
+from mmkv.request.splice import precompile_image, prefill_spliced
 
 from conftest import make_png
 

@@ -10,9 +10,9 @@ from PIL import Image
 
 from mmkv.adapters import load_adapter
 from mmkv.errors import RopeNotComposableError
-from mmkv.rerotate import reposition_keys, target_positions
-from mmkv.splice import precompile_image
-from mmkv.tiny import FAMILIES, save_tiny_checkpoint
+from mmkv.kv.rerotate import reposition_keys, target_positions
+from mmkv.request.splice import precompile_image
+from mmkv.testing.tiny import FAMILIES, save_tiny_checkpoint
 
 from conftest import make_png
 
@@ -121,7 +121,7 @@ def test_non_composable_rope_is_refused(tmp_path, rope):
 def test_fused_rotate_into_equals_the_three_pass_version_and_a_float64_rotation(adapters, shape, at, delta):
     """The one-pass CPU kernel writes into a slice of a larger cache (as the splice does) what the
     elementwise torch version writes, and both match the rotation done in float64."""
-    from mmkv.rerotate import _flat_rows, rotate_half, rotate_into, rotate_into_torch, rotation
+    from mmkv.kv.rerotate import _flat_rows, rotate_half, rotate_into, rotate_into_torch, rotation
 
     torch.manual_seed(0)
     *lead, n, d = shape
@@ -152,7 +152,7 @@ def _rope_of(d: int):
 
 def test_rotate_into_falls_back_where_the_kernel_does_not_apply(adapters):
     """Strided rows or another dtype take the torch path, with the same result."""
-    from mmkv.rerotate import _flat_rows, rotate_into, rotate_into_torch, rotation
+    from mmkv.kv.rerotate import _flat_rows, rotate_into, rotate_into_torch, rotation
 
     rope = adapters["qwen2_5_vl"].rope
     d = rope.inv_freq.numel() * 2
@@ -171,7 +171,7 @@ def test_rotate_into_falls_back_where_the_kernel_does_not_apply(adapters):
 def test_place_layers_equals_layer_by_layer_and_writes_only_its_rows(adapters, rotate, first, stop, at):
     """The one-call placement of every layer (the splice's CPU path) writes exactly what rotating
     each layer's key rows into the cache and copying its value rows writes, and nothing else."""
-    from mmkv.rerotate import place_layers, rotate_into, rotation
+    from mmkv.kv.rerotate import place_layers, rotate_into, rotation
 
     torch.manual_seed(1)
     rope = adapters["qwen2_5_vl"].rope
@@ -197,7 +197,7 @@ def test_place_layers_equals_layer_by_layer_and_writes_only_its_rows(adapters, r
 def test_place_layers_refuses_what_it_cannot_place_and_writes_nothing(adapters):
     """Rows that do not fit, another dtype, strided rows or mismatched heads: False, the cache
     untouched (the caller goes layer by layer)."""
-    from mmkv.rerotate import place_layers, rotation
+    from mmkv.kv.rerotate import place_layers, rotation
 
     rope = adapters["qwen2_5_vl"].rope
     d = rope.inv_freq.numel() * 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mmkv import Engine, InvalidRequestError
-from mmkv.sampling import Sampler, SamplingParams
+from mmkv.request.sampling import Sampler, SamplingParams
 
 MSGS = [{"role": "user", "content": "say something about the red square"}]
 

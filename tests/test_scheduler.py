@@ -12,7 +12,7 @@ import torch
 
 from mmkv import Engine
 from mmkv.errors import InvalidRequestError
-from mmkv.scheduler import DecodeBatch, Scheduler
+from mmkv.request.scheduler import DecodeBatch, Scheduler
 
 from conftest import make_png
 
@@ -100,7 +100,7 @@ def test_cancel_and_bad_request_touch_only_their_own(engine):
 
 
 def test_waiting_requests_can_be_cancelled_and_drained(engine):
-    from mmkv.scheduler import SchedulerStoppedError
+    from mmkv.request.scheduler import SchedulerStoppedError
 
     sched = Scheduler(engine)  # not started: everything stays waiting
     first = sched.submit([{"role": "user", "content": "hi"}], max_new_tokens=2)

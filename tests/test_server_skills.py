@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 import mmkv
-from mmkv.messages import erratum_line
+from mmkv.request.messages import erratum_line
 from mmkv.server.app import ServerSettings, create_app
 
 from test_server import LiveServer, tiny_dir  # noqa: F401 - fixture

@@ -19,7 +19,7 @@ from test_tools import HISTORY, TIME, WEATHER, ScriptedSampler
 
 @pytest.fixture(scope="module")
 def qwen3_server(tmp_path_factory):
-    from mmkv.realshape import save_real_checkpoint
+    from mmkv.testing.realshape import save_real_checkpoint
 
     snapshot = save_real_checkpoint("qwen3_vl", tmp_path_factory.mktemp("hub"), seed=2)
     engine = Engine.from_pretrained(snapshot, dtype=torch.float32, device="cpu")
@@ -29,7 +29,7 @@ def qwen3_server(tmp_path_factory):
 def _force(engine, monkeypatch, answer: str) -> None:
     tok = engine.adapter.tokenizer
     ScriptedSampler.script = tok(answer)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
-    monkeypatch.setattr("mmkv.decode.Sampler", ScriptedSampler)
+    monkeypatch.setattr("mmkv.request.decode.Sampler", ScriptedSampler)
 
 
 ANSWER = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'

@@ -1,4 +1,4 @@
-"""Splice exactness: the spliced prefill equals one masked forward of the model (mmkv.oracle),
+"""Splice exactness: the spliced prefill equals one masked forward of the model (mmkv.request.oracle),
 and its gap to a plain full recompute is measured, not hidden."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import torch
 
 from mmkv import Engine
 from mmkv.adapters import ImageFeatures
-from mmkv.oracle import block_masked_logits
-from mmkv.rerotate import reposition_keys
-from mmkv.splice import Placement, pad_features, prefill_full, prefill_spliced
-from mmkv.tiny import FAMILIES
+from mmkv.request.oracle import block_masked_logits
+from mmkv.kv.rerotate import reposition_keys
+from mmkv.request.splice import Placement, pad_features, prefill_full, prefill_spliced
+from mmkv.testing.tiny import FAMILIES
 
 from conftest import make_png
 
@@ -168,7 +168,7 @@ def test_slot_pool_never_shares_a_live_buffer_and_reuses_a_released_one(engine):
     Spliced logits through reused buffers equal the fresh ones (no stale KV leaks in)."""
     import gc
 
-    from mmkv.splice import SlotPool, preallocate
+    from mmkv.request.splice import SlotPool, preallocate
 
     ad = engine.adapter
     pool = SlotPool(budget=1 << 30)
@@ -216,7 +216,7 @@ def test_slot_pool_makes_room_by_dropping_free_buffers_of_other_sizes():
     """A full pool frees kept buffers that fit nothing to keep a new one, also when an older kept
     buffer is still in use: the bug this guards removed entries with ==, which compared tensors of
     different sizes element by element and raised."""
-    from mmkv.splice import SlotPool
+    from mmkv.request.splice import SlotPool
 
     f32, cpu = torch.float32, torch.device("cpu")
     pool = SlotPool(budget=4 * 4000)  # room for 4000 float32 elements

@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 
 from conftest import free_port, make_png
-import mmkv.disk_tier
-import mmkv.durable_registry
-import mmkv.tiers
+import mmkv.store.disk_tier
+import mmkv.store.durable_registry
+import mmkv.store.tiers
 from mmkv.engine import Engine
-from mmkv.tiers import StoreConfig
+from mmkv.store.tiers import StoreConfig
 
 # A forked child numbers its atomic writes: 1 the store's MODEL marker, then image A's KV (2), blob
 # (3) and record (4), the skill's KV (5) and record (6), image B's KV (7), blob (8) and record (9).
@@ -34,7 +34,7 @@ def _die() -> None:
 
 def _crash_at(point: str, nth: int, adapter, store: Path) -> None:
     """In a forked child: write as an upload and a skill do, and SIGKILL this process at write `nth`."""
-    real, count = mmkv.disk_tier.atomic_write, [0]
+    real, count = mmkv.store.disk_tier.atomic_write, [0]
 
     def injected(path, data):
         count[0] += 1
@@ -49,9 +49,9 @@ def _crash_at(point: str, nth: int, adapter, store: Path) -> None:
         real(path, data)
         _die()  # after_rename: the entry is complete, the process dies before it goes on
 
-    for module in (mmkv.disk_tier, mmkv.durable_registry, mmkv.tiers):
+    for module in (mmkv.store.disk_tier, mmkv.store.durable_registry, mmkv.store.tiers):
         module.atomic_write = injected
-    mmkv.tiers.Tiers.store = lambda self, key, chunk: mmkv.tiers._write_through(
+    mmkv.store.tiers.Tiers.store = lambda self, key, chunk: mmkv.store.tiers._write_through(
         self.disk, self.shared, self.fingerprint, self.counts, key, chunk)
     engine = Engine(adapter, store=StoreConfig(store))
     engine.add_image(make_png(64, 48, seed=1))

@@ -16,14 +16,14 @@ import sys
 import pytest
 import torch
 
-import mmkv.fingerprint
+import mmkv.store.fingerprint
 from conftest import free_port, make_png
-from mmkv.chunk_codec import encode_chunk
-from mmkv.disk_tier import StoreInUseError
+from mmkv.store.chunk_codec import encode_chunk
+from mmkv.store.disk_tier import StoreInUseError
 from mmkv.engine import Engine
 from mmkv.errors import UnknownImageError, UnknownSkillError
-from mmkv.fingerprint import durable_key, image_source_digest, model_fingerprint
-from mmkv.tiers import StoreConfig, Tiers
+from mmkv.store.fingerprint import durable_key, image_source_digest, model_fingerprint
+from mmkv.store.tiers import StoreConfig, Tiers
 
 QUESTION = "What colour is the rectangle?"
 
@@ -240,7 +240,7 @@ def test_a_store_directory_is_held_by_one_process(model_dir, tmp_path):
     with pytest.raises(StoreInUseError, match="in this process"):
         Tiers.open(StoreConfig(store), "ab" * 32, 2, torch.float32, torch.device("cpu"))
     held.close()
-    code = ("import os, signal, torch; from mmkv.tiers import StoreConfig, Tiers; "
+    code = ("import os, signal, torch; from mmkv.store.tiers import StoreConfig, Tiers; "
             f"Tiers.open(StoreConfig({str(store)!r}), {'ab' * 32!r}, 2, torch.float32, torch.device('cpu')); "
             "os.kill(os.getpid(), signal.SIGKILL)")
     killed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -254,8 +254,8 @@ def test_weight_digests_are_cached_and_a_changed_file_is_hashed_again(model_dir,
     shutil.copytree(model_dir, copy)
     cache = tmp_path / "store" / "weight_digests.json"
     reads: list[str] = []
-    real = mmkv.fingerprint.file_digest
-    monkeypatch.setattr(mmkv.fingerprint, "file_digest", lambda path: reads.append(path.name) or real(path))
+    real = mmkv.store.fingerprint.file_digest
+    monkeypatch.setattr(mmkv.store.fingerprint, "file_digest", lambda path: reads.append(path.name) or real(path))
     weights = sorted(p.name for p in copy.glob("*.safetensors"))
     base = model_fingerprint(engine.adapter, copy, digest_cache=cache)
     assert sorted(reads) == weights and cache.is_file()  # the first start reads every weight file

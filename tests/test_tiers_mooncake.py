@@ -22,9 +22,9 @@ from typer.testing import CliRunner
 from conftest import free_port, make_png
 from mmkv.cli import app
 from mmkv.engine import Engine
-from mmkv.fingerprint import image_source_digest
-from mmkv.mooncake_tier import MooncakeUnavailable, load_store_class
-from mmkv.tiers import StoreConfig
+from mmkv.store.fingerprint import image_source_digest
+from mmkv.store.mooncake_tier import MooncakeUnavailable, load_store_class
+from mmkv.store.tiers import StoreConfig
 from test_tiers_redis import ask, delete_reaches, share_through, wait_listening
 
 SMALL = {"mooncake_segment_bytes": 64 << 20, "mooncake_buffer_bytes": 16 << 20}  # what each test engine lends

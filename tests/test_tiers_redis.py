@@ -20,7 +20,7 @@ import torch
 from conftest import free_port, make_png
 from mmkv.engine import Engine
 from mmkv.errors import UnknownImageError, UnknownSkillError
-from mmkv.redis_tier import RedisTier, redacted_url
+from mmkv.store.redis_tier import RedisTier, redacted_url
 from mmkv.server.app import ServerSettings, create_app
 from test_server import LiveServer
 

@@ -11,10 +11,10 @@ import threading
 import pytest
 import torch
 
-import mmkv.tiers
+import mmkv.store.tiers
 from conftest import make_png
 from mmkv.engine import Engine
-from mmkv.tier_writer import TierWriter, Write
+from mmkv.store.tier_writer import TierWriter, Write
 
 QUESTION = "What colour is the rectangle?"
 
@@ -75,7 +75,7 @@ def test_answer_does_not_wait_and_the_write_lands(model_dir, tmp_path):
 def test_failing_write_never_fails_the_request(model_dir, tmp_path, monkeypatch):
     def broken(*args):
         raise RuntimeError("disk on fire")
-    monkeypatch.setattr(mmkv.tiers, "encode_chunk", broken)
+    monkeypatch.setattr(mmkv.store.tiers, "encode_chunk", broken)
     engine = Engine.from_pretrained(model_dir, store_dir=tmp_path)
     try:
         image_id = engine.add_image(make_png(64, 48))

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from mmkv.errors import InvalidRequestError
-from mmkv.tools import ContentFilter, check_tools, parse_tool_calls, template_supports_tools
+from mmkv.request.tools import ContentFilter, check_tools, parse_tool_calls, template_supports_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
                                             "parameters": {"type": "object",
@@ -97,8 +97,8 @@ def test_forced_prefix_is_never_content():
 
 
 def test_which_templates_render_tools():
-    from mmkv.realshape import QWEN3_VL_CHAT_TEMPLATE
-    from mmkv.tiny import CHAT_TEMPLATE
+    from mmkv.testing.realshape import QWEN3_VL_CHAT_TEMPLATE
+    from mmkv.testing.tiny import CHAT_TEMPLATE
 
     assert template_supports_tools(QWEN3_VL_CHAT_TEMPLATE) and not template_supports_tools(CHAT_TEMPLATE)
 
@@ -109,14 +109,14 @@ def qwen3(tmp_path_factory):
     import torch
 
     from mmkv import Engine
-    from mmkv.realshape import save_real_checkpoint
+    from mmkv.testing.realshape import save_real_checkpoint
 
     snapshot = save_real_checkpoint("qwen3_vl", tmp_path_factory.mktemp("hub"), seed=2)
     return Engine.from_pretrained(snapshot, dtype=torch.float32, device="cpu")
 
 
 class ScriptedSampler:
-    """Stands in for mmkv.sampling.Sampler: emits the tokens of a fixed answer, then <|im_end|>."""
+    """Stands in for mmkv.request.sampling.Sampler: emits the tokens of a fixed answer, then <|im_end|>."""
 
     script: list[int] = []
 
@@ -130,7 +130,7 @@ class ScriptedSampler:
 def _script(engine, monkeypatch, answer: str) -> None:
     tok = engine.adapter.tokenizer
     ScriptedSampler.script = tok(answer)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
-    monkeypatch.setattr("mmkv.decode.Sampler", ScriptedSampler)
+    monkeypatch.setattr("mmkv.request.decode.Sampler", ScriptedSampler)
 
 
 HISTORY = [

@@ -8,7 +8,7 @@ For the first answer token, with `a` the full recompute's greedy token:
 - *answer log-prob change*: log p_arm(a) - log p_full(a) over the full vocabulary.
 
 The arm's margin change splits exactly into two parts through the block-masked oracle
-(mmkv/oracle.py: the same chunks isolated, at the model's native positions, no cache surgery):
+(mmkv/request/oracle.py: the same chunks isolated, at the model's native positions, no cache surgery):
   rotation  = margin(arm) - margin(oracle)   how far the spliced KV is from exact re-positioning,
   isolation = margin(oracle) - margin(full)  what composing isolated chunks costs by itself.
 """
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from mmkv.engine import Engine
-from mmkv.oracle import block_masked_logits
+from mmkv.request.oracle import block_masked_logits
 
 
 def answer_token_ids(engine: Engine, answers: Sequence[str]) -> list[int]:

@@ -34,7 +34,7 @@ from typing import Callable
 
 from PIL import Image
 
-from mmkv.messages import ERRATUM, erratum_line
+from mmkv.request.messages import ERRATUM, erratum_line
 from mmkv.vqa_eval import dataset as D
 
 #: Fields, their values, and how a policy names them.

@@ -1,5 +1,5 @@
 """`mmkv eval --task errata`: a field changes between two requests of a chat; how does each edit
-policy (mmkv/edits.py) answer, against recomputing?
+policy (mmkv/request/edits.py) answer, against recomputing?
 
 Each conversation (seeded) has a labelled field line in its system turn (`order_status: pending`,
 `tier = gold` or a JSON object `{"region": "north", ...}`), one earlier image turn with its answer,

@@ -24,8 +24,8 @@ import torch
 from mmkv.adapters import ImageFeatures
 from mmkv.engine import BUNDLED_MODEL, REPO_ROOT, Engine
 from mmkv.images import decode_image
-from mmkv.messages import parse_messages
-from mmkv.splice import prefill_full
+from mmkv.request.messages import parse_messages
+from mmkv.request.splice import prefill_full
 from mmkv.vqa_eval.dataset import ANSWERS, CATEGORY_OF, TYPES, VQAItem, load_vqa_set
 from mmkv.vqa_eval.decompose import answer_token_ids, decompose, oracle_logits
 from mmkv.vqa_eval.metrics import logit_cosine, normalize_answer, p90

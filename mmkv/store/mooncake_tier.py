@@ -1,5 +1,5 @@
 """The shared tier on Mooncake Store (the KV store vLLM and SGLang share KV and image embeddings
-through), behind the same interface as Redis (mmkv/shared_tier.py: key layout, degraded mode,
+through), behind the same interface as Redis (mmkv/store/shared_tier.py: key layout, degraded mode,
 counters). Optional: `pip install 'mmkv[mooncake]'` (the `mooncake-transfer-engine-non-cuda`
 wheel) plus the system's libibverbs (Debian / Ubuntu: `apt-get install libibverbs1`), which the
 library loads even over TCP. Without either, start-up fails with that fix (`MooncakeUnavailable`).
@@ -25,7 +25,7 @@ import socket
 import threading
 from urllib.parse import urlsplit
 
-from mmkv.shared_tier import SharedTier, SharedTierError
+from mmkv.store.shared_tier import SharedTier, SharedTierError
 
 PIP_FIX = "pip install 'mmkv[mooncake]' (the mooncake-transfer-engine-non-cuda wheel; on a CUDA host mooncake-transfer-engine)"
 APT_FIX = ("apt-get install libibverbs1 (Debian / Ubuntu; dnf install libibverbs on Fedora / RHEL): "
@@ -128,7 +128,7 @@ class MooncakeTier(SharedTier):
         if rc != 0:
             raise SharedTierError(f"Mooncake {op} returned {rc}")
 
-    # ---- the primitives (mmkv/shared_tier.py) ----------------------------------------------------
+    # ---- the primitives (mmkv/store/shared_tier.py) ----------------------------------------------------
     def _get(self, key: str) -> bytes | None:
         return self._client().get(key) or None  # b"": no such key (values are never empty)
 

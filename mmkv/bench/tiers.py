@@ -1,4 +1,4 @@
-"""`mmkv bench-tiers` (or `python -m mmkv.bench_tiers`): TTFT of one chat turn whose image KV comes from the RAM tier, the
+"""`mmkv bench-tiers` (or `python -m mmkv.bench.tiers`): TTFT of one chat turn whose image KV comes from the RAM tier, the
 disk tier, the shared tier (Redis, or Mooncake Store with --mooncake-master), a recompute (vision
 tower + isolated prefill, then splice), the same recompute with its tier write in line (before the
 first token, as before the background writer) and the full-recompute reference, side by side, as
@@ -57,7 +57,7 @@ def _private_redis() -> tuple[subprocess.Popen | None, str | None]:
 def run(model_dir: str | None, size: int, repeats: int, redis_url: str | None,
         mooncake: tuple[str, str | None] | None = None) -> list[tuple[str, float]]:
     from mmkv.engine import Engine  # heavy imports here: the `mmkv` command imports this module
-    from mmkv.fingerprint import image_source_digest
+    from mmkv.store.fingerprint import image_source_digest
 
     proc = None
     if redis_url is None and mooncake is None:

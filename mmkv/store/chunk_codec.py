@@ -15,7 +15,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from mmkv.adapters import ImageFeatures
-from mmkv.chunks import CachedChunk
+from mmkv.kv.chunks import CachedChunk
 
 FORMAT = "mmkv-chunk-1"
 

@@ -38,8 +38,9 @@ from typing import Annotated
 
 import typer
 
+from mmkv.bench import CONFIGS
+
 MODES = ("image", "skill", "errata", "agent", "copy", "bytes")
-CONFIGS = ("bench", "tiny", "qwen2.5-vl-7b", "qwen3-vl-8b")
 
 
 def format_header(h: dict) -> str:
@@ -151,7 +152,7 @@ def bench_command(
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     import torch
 
-    from mmkv.bench_run import BenchError, build_engine, run_bench
+    from mmkv.bench.run import BenchError, build_engine, run_bench
     from mmkv.errors import MMKVError
 
     torch.set_num_threads(threads)

@@ -3,7 +3,7 @@ for the engine.
 
 `load` is asked only after a RAM miss: the disk tier first, then the shared tier (a shared hit is
 also written to disk). `store` queues a freshly precompiled chunk for the background writer
-(mmkv/tier_writer.py), which writes it through to every tier off the request path (a shared hit's
+(mmkv/store/tier_writer.py), which writes it through to every tier off the request path (a shared hit's
 copy to disk goes the same way); `flush` waits for them. `purge` removes a chunk from every tier (a queued write of it is taken back first). Every stored entry is checked on load (chunk_codec): a bad one
 is deleted from its tier, counted as corrupt and treated as a miss, so the caller recomputes it
 from the stored image bytes or skill text; it is never spliced. A tier that fails (disk error,
@@ -30,18 +30,18 @@ from pathlib import Path
 
 import torch
 
-from mmkv.chunk_codec import CorruptEntryError, decode_chunk, encode_chunk
-from mmkv.chunks import CachedChunk
-from mmkv.disk_tier import DiskTier, atomic_write, lock_store_dir
-from mmkv.durable_registry import DurableRegistry
-from mmkv.mooncake_tier import MooncakeTier, load_store_class, split_address
-from mmkv.redis_tier import RedisTier
-from mmkv.shared_tier import SharedTier
-from mmkv.tier_writer import TierWriter, Write
+from mmkv.store.chunk_codec import CorruptEntryError, decode_chunk, encode_chunk
+from mmkv.kv.chunks import CachedChunk
+from mmkv.store.disk_tier import DiskTier, atomic_write, lock_store_dir
+from mmkv.store.durable_registry import DurableRegistry
+from mmkv.store.mooncake_tier import MooncakeTier, load_store_class, split_address
+from mmkv.store.redis_tier import RedisTier
+from mmkv.store.shared_tier import SharedTier
+from mmkv.store.tier_writer import TierWriter, Write
 
-log = logging.getLogger("mmkv.tiers")
+log = logging.getLogger("mmkv.store.tiers")
 MODEL_FILE = "MODEL"  # the fingerprint a store directory belongs to
-DIGEST_FILE = "weight_digests.json"  # mmkv/fingerprint.py's cache of weight-file digests
+DIGEST_FILE = "weight_digests.json"  # mmkv/store/fingerprint.py's cache of weight-file digests
 AUTO = "auto"  # store_dir: default_store_dir(fingerprint)
 
 

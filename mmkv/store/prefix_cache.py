@@ -23,9 +23,9 @@ import torch
 import xxhash
 
 from mmkv.adapters import RopeLayout
-from mmkv.chunks import CachedChunk
-from mmkv.kv_store import KVStore
-from mmkv.rerotate import place_rows, rotate_into, rotation
+from mmkv.kv.chunks import CachedChunk
+from mmkv.store.kv_store import KVStore
+from mmkv.kv.rerotate import place_rows, rotate_into, rotation
 
 BLOCK_TOKENS = 16
 REF_BYTES = 3 * 32 + 8 + 3 * 8  # a reference's fields: its, its parent's and its chunk's 32-digit keys, offset, shift

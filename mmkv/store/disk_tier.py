@@ -1,4 +1,4 @@
-"""The disk tier for chunk KV: one safetensors file per chunk (mmkv/chunk_codec.py), kept within a
+"""The disk tier for chunk KV: one safetensors file per chunk (mmkv/store/chunk_codec.py), kept within a
 byte budget by LRU, and `atomic_write`, the one way anything reaches a store directory.
 
 Crash safety: a file is written to a temporary name in its directory, fsync'd, renamed over its
@@ -20,7 +20,7 @@ import uuid
 from collections import OrderedDict
 from pathlib import Path
 
-log = logging.getLogger("mmkv.disk_tier")
+log = logging.getLogger("mmkv.store.disk_tier")
 TMP_SUFFIX = ".tmp"
 KV_SUFFIX = ".safetensors"
 LOCK_FILE = "LOCK"

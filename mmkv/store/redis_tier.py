@@ -1,4 +1,4 @@
-"""The shared tier on Redis (or Valkey): the default shared store (mmkv/shared_tier.py has the key
+"""The shared tier on Redis (or Valkey): the default shared store (mmkv/store/shared_tier.py has the key
 layout, degraded mode and counters). Every call has a short socket timeout; redis-py reconnects by
 itself once Redis is back. The URL's credentials are never logged (`redacted_url`).
 """
@@ -9,7 +9,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from mmkv.shared_tier import SharedTier
+from mmkv.store.shared_tier import SharedTier
 
 
 def redacted_url(url: str) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from mmkv.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
+from mmkv.request.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 
 
 class DecodeStream:

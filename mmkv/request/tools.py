@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmkv.errors import InvalidRequestError
-from mmkv.messages import check_text
+from mmkv.request.messages import check_text
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
@@ -111,7 +111,7 @@ def check_tools(tools: Any, tool_choice: Any = None) -> ToolSpec | None:
 
 def _check_strings(value: Any, param: str) -> None:
     """Every string of a tool's description or schema (keys too) is a client's text, rendered
-    into the prompt: the same reserved-token checks as message text (mmkv.messages). Iterative,
+    into the prompt: the same reserved-token checks as message text (mmkv.request.messages). Iterative,
     and nesting is bounded (MAX_SCHEMA_DEPTH): the prompt's escaping and the chat template's
     `tojson` walk the schema recursively, so a deeper one is refused here, not a RecursionError."""
     stack = [(value, 0)]

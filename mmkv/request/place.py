@@ -1,6 +1,6 @@
 """Place cached KV: the stage between the plan and the forward. Edit detection against recent
-prompts, then the edit policy (mmkv.edits), then the exact reuse path: the longest cached prompt
-prefix and the splice of every cached chunk (mmkv.splice). Its prefix blocks are stored once the
+prompts, then the edit policy (mmkv.request.edits), then the exact reuse path: the longest cached prompt
+prefix and the splice of every cached chunk (mmkv.request.splice). Its prefix blocks are stored once the
 request's first token is out (`deferred_insert`, taken by the request's Run). The turn's final
 forward is left pending in the result (`PrefillResult.advance`): the scheduler runs it, whole or a
 chunk at a time between decode steps (chunked prefill).
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mmkv.edits import (
+from mmkv.request.edits import (
     EditPolicy,
     EditRules,
     FieldChange,
@@ -31,13 +31,13 @@ from mmkv.edits import (
     insert_before_final_turn,
     prefill_edited,
 )
-from mmkv.messages import erratum_line
-from mmkv.prefix_cache import ChunkSpan, block_keys
-from mmkv.rerotate import constant_delta
-from mmkv.splice import PrefillResult, preallocate, prefill_spliced, splice_layout
+from mmkv.request.messages import erratum_line
+from mmkv.store.prefix_cache import ChunkSpan, block_keys
+from mmkv.kv.rerotate import constant_delta
+from mmkv.request.splice import PrefillResult, preallocate, prefill_spliced, splice_layout
 
 if TYPE_CHECKING:
-    from mmkv.plan import SplicePlan
+    from mmkv.request.plan import SplicePlan
 
 log = logging.getLogger("mmkv.engine")
 RECENT_PROMPTS = 16  # per tenant and settings, for edit detection

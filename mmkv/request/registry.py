@@ -21,7 +21,7 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from mmkv.adapters import ImageFeatures, VLAdapter
-from mmkv.chunks import CachedChunk, chunk_cache_key
+from mmkv.kv.chunks import CachedChunk, chunk_cache_key
 from mmkv.errors import (
     ImageStoreFullError,
     ImageTooLargeError,
@@ -31,12 +31,12 @@ from mmkv.errors import (
     UnknownImageError,
     UnknownSkillError,
 )
-from mmkv.fingerprint import content_digest, durable_key, image_source_digest
+from mmkv.store.fingerprint import content_digest, durable_key, image_source_digest
 from mmkv.images import PreparedImage, decode_image
-from mmkv.kv_store import KVStore
-from mmkv.messages import ImageRef, SkillRef, check_unicode, parse_messages
-from mmkv.splice import precompile_chunk, precompile_image
-from mmkv.tiers import Tiers
+from mmkv.store.kv_store import KVStore
+from mmkv.request.messages import ImageRef, SkillRef, check_unicode, parse_messages
+from mmkv.request.splice import precompile_chunk, precompile_image
+from mmkv.store.tiers import Tiers
 
 log = logging.getLogger("mmkv.engine")
 
@@ -228,7 +228,7 @@ class Registries:
     def _cached_chunk(self, key: str, kind: str, precompile: Callable[[], CachedChunk],
                       durable: Callable[[], str] | None = None) -> CachedChunk:
         """The chunk under `key`; on a RAM miss the lower tiers are asked (under the durable key
-        `durable()` gives: mmkv/tiers.py), and only then `precompile()` builds it (counted, stored,
+        `durable()` gives: mmkv/store/tiers.py), and only then `precompile()` builds it (counted, stored,
         written through to the tiers)."""
         entry = self.cache.get(key, kind)
         stored = durable() if entry is None and self.tiers is not None and durable is not None else None
@@ -302,13 +302,13 @@ class Registries:
 
     def _tokenize(self, text: str) -> torch.Tensor:
         """A skill's text is text: a special token's string in it is tokenized as plain text, as in
-        messages (mmkv.plan.ClientText), so a skill cannot end its turn or open another."""
+        messages (mmkv.request.plan.ClientText), so a skill cannot end its turn or open another."""
         return torch.tensor(self.adapter.tokenizer(text, split_special_tokens=True)["input_ids"], dtype=torch.long)
 
     def chunk_for(self, ref: RegisteredImage | Skill, tenant: str) -> CachedChunk:
         return self.image_chunk(ref, tenant) if isinstance(ref, RegisteredImage) else self.skill_chunk(ref, tenant)
 
-    # ---- durable tiers: keys, records of uploads and skills (mmkv/tiers.py) ----------------------
+    # ---- durable tiers: keys, records of uploads and skills (mmkv/store/tiers.py) ----------------------
     def durable_key(self, kind: str, digest: str, tenant: str) -> str:
         grid = self.grid_settings if kind == "image" else ""
         return durable_key(kind, digest, self.fingerprint, grid, self.settings.anchor, tenant)

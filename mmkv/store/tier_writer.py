@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-log = logging.getLogger("mmkv.tier_writer")
+log = logging.getLogger("mmkv.store.tier_writer")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch
 # Qwen2-VL-*-Instruct's and Qwen2.5-VL-*-Instruct's chat_template.json (one text for both: default
 # system turn "You are a helpful assistant.", "Picture N: " / "Video N: " under add_vision_id); the
 # tiny models already use it verbatim.
-from mmkv.tiny import CHAT_TEMPLATE as QWEN2_VL_CHAT_TEMPLATE
+from mmkv.testing.tiny import CHAT_TEMPLATE as QWEN2_VL_CHAT_TEMPLATE
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "samples" / "tokenizers" / "qwen"
 
@@ -331,10 +331,10 @@ def save_real_checkpoint(family: str, hub_cache: str | Path, *, seed: int = 0, r
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m mmkv.realshape HUB_CACHE [FAMILY ...]`: write real-shape checkpoints into a hub cache."""
+    """`python -m mmkv.testing.realshape HUB_CACHE [FAMILY ...]`: write real-shape checkpoints into a hub cache."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m mmkv.realshape", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m mmkv.testing.realshape", description=main.__doc__)
     parser.add_argument("hub_cache", type=Path, help="e.g. ~/.cache/huggingface/hub, or any dir for HF_HUB_CACHE")
     parser.add_argument("families", nargs="*", metavar="FAMILY", help=f"{', '.join(RELEASED)} (default: all)")
     parser.add_argument("--seed", type=int, default=0)

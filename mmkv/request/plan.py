@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from mmkv.adapters import ImageFeatures, VLAdapter
-from mmkv.chunks import CachedChunk
+from mmkv.kv.chunks import CachedChunk
 from mmkv.errors import InvalidRequestError
-from mmkv.registry import RegisteredImage, Skill
-from mmkv.rerotate import POLICIES, target_positions
-from mmkv.splice import Placement
-from mmkv.tools import ToolSpec, check_tools, template_supports_tools
+from mmkv.request.registry import RegisteredImage, Skill
+from mmkv.kv.rerotate import POLICIES, target_positions
+from mmkv.request.splice import Placement
+from mmkv.request.tools import ToolSpec, check_tools, template_supports_tools
 
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # as OpenAI: bounds the stop-string search per token
 PROCESSOR_ONLY = re.compile(r"<\|(vision_[a-z]+|image_pad|video_pad)\|>")  # tokens only the processor places
@@ -149,7 +149,7 @@ class Planner:
     def render(self, template_messages: list[dict], add_generation_prompt: bool = True,
                tools: ToolSpec | None = None) -> str:
         """The chat template's text; with `tools`, rendered by the template and, for a forced
-        tool choice, the assistant turn already opened with the call (mmkv.tools)."""
+        tool choice, the assistant turn already opened with the call (mmkv.request.tools)."""
         text = self.adapter.processor.apply_chat_template(
             template_messages, tokenize=False, add_generation_prompt=add_generation_prompt,
             **({"tools": self.client_text.escape_all(list(tools.tools))} if tools else {}))
@@ -206,7 +206,7 @@ class Planner:
         return torch.tensor(ids, dtype=torch.long), spans
 
     def _check_reserved(self, text: str, images: int) -> None:
-        """Each text part was checked alone (mmkv.messages); adjacent parts can still join into a
+        """Each text part was checked alone (mmkv.request.messages); adjacent parts can still join into a
         placeholder ("<|image_" + "pad|>"), so the rendered prompt may hold processor-only tokens
         only where the template put an image."""
         tok = self.adapter.tokenizer

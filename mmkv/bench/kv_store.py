@@ -1,4 +1,4 @@
-"""`python -m mmkv.bench_kv_store`: cost of one eviction from a full KVStore of 100k prefix blocks,
+"""`python -m mmkv.bench.kv_store`: cost of one eviction from a full KVStore of 100k prefix blocks,
 for one long chain (every block but the last is an inner node) and for many short chains.
 Entries are 1-byte stand-ins: this measures the store's bookkeeping, not tensor copies."""
 
@@ -9,7 +9,7 @@ import platform
 import time
 from dataclasses import dataclass
 
-from mmkv.kv_store import KVStore
+from mmkv.store.kv_store import KVStore
 
 
 @dataclass

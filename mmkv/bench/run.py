@@ -1,4 +1,4 @@
-"""The arms and modes of `mmkv bench` (mmkv/bench.py is the command): models built from config,
+"""The arms and modes of `mmkv bench` (mmkv/bench/command.py is the command): models built from config,
 turns timed interleaved, one table per case."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def build_engine(config: str, model_dir: Path | None, device: str, dtype: str | 
 
     from mmkv.adapters import adapter_class
     from mmkv.engine import Engine, EngineSettings
-    from mmkv.tiny import build_processor, build_tokenizer, tiny_config
+    from mmkv.testing.tiny import build_processor, build_tokenizer, tiny_config
 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -228,7 +228,7 @@ class TextContext:
         self.length = 0
 
     def _ensure(self, n: int) -> None:
-        from mmkv.splice import prefill_full
+        from mmkv.request.splice import prefill_full
 
         if n <= self.length:
             return
@@ -238,7 +238,7 @@ class TextContext:
         self.load = _kv_loader(self.adapter, prefill_full(self.adapter, self.ids, self.pos, None).cache)
 
     def limit(self, n: int, q: int) -> Callable[[], Sample]:
-        from mmkv.splice import forward_into_slots, preallocate
+        from mmkv.request.splice import forward_into_slots, preallocate
 
         self._ensure(n)
         cache = self.load(n - q)
@@ -251,7 +251,7 @@ class TextContext:
         return timed(turn)
 
     def text_only(self, n: int, q: int) -> Callable[[], Sample]:
-        from mmkv.splice import prefill_spliced
+        from mmkv.request.splice import prefill_spliced
 
         self._ensure(n)
         ids, pos, load = self.ids[:n], self.pos[:, :n], self.load
@@ -288,7 +288,7 @@ def chunk_arms(engine, messages: Callable[[int], list], text: TextContext, visio
     the text before the chunk (so no prefix cache covers the new turn). `vision` is (pixels, grid)
     for an image chunk, None for a skill. The case has its own tenant, so the engine's prefix cache
     holds only this case's earlier turns."""
-    from mmkv.splice import prefill_full, prefill_spliced
+    from mmkv.request.splice import prefill_full, prefill_spliced
 
     ad = engine.adapter
     plan, other = engine.splice_plan(messages(0), tenant=tenant), engine.splice_plan(messages(1), tenant=tenant)
@@ -335,7 +335,7 @@ def decode_after_prefill(engine, plan, repeats: int, steps: int = DECODE_STEPS) 
     interleaved, untimed prefills. The splice runs afresh for each sample; the full prefill (seconds
     at 4k tokens) once, each sample starting from a new cache holding a copy of its KV (the state
     it leaves: one contiguous tensor per layer; decoding appends, never writes into it)."""
-    from mmkv.splice import PrefillResult, prefill_full, prefill_spliced
+    from mmkv.request.splice import PrefillResult, prefill_full, prefill_spliced
 
     ad = engine.adapter
     ids, feats = plan.input_ids, plan.chunk_features()
@@ -480,8 +480,8 @@ def bench_copy(engine, entries: list, repeats: int) -> list[dict]:
     """GB/s of placing a cached chunk's KV (keys rotated by a constant position change, values
     copied) into a preallocated cache, against a plain clone of the same tensors; the placement
     also with the earlier three-pass elementwise rotation (`rotate_into_torch`), in the same run."""
-    from mmkv.rerotate import constant_delta, rotate_into_torch, rotation
-    from mmkv.splice import Placement, place_chunk, preallocate
+    from mmkv.kv.rerotate import constant_delta, rotate_into_torch, rotation
+    from mmkv.request.splice import Placement, place_chunk, preallocate
 
     ad = engine.adapter
     out = []
@@ -671,7 +671,7 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
     Each mmkv turn's reused tokens are checked against what the plan says: the longest block
     prefix of an earlier prompt, plus the spliced chunks after it (all but each seam token)."""
     from mmkv.engine import image_id_for
-    from mmkv.splice import splice_layout
+    from mmkv.request.splice import splice_layout
 
     ad = engine.adapter
     script = agent_script(turns, seed)

@@ -37,7 +37,7 @@ from transformers import DynamicCache
 
 from mmkv.errors import MMKVError, settleable
 
-log = logging.getLogger("mmkv.scheduler")
+log = logging.getLogger("mmkv.request.scheduler")
 
 
 class SchedulerStoppedError(MMKVError):

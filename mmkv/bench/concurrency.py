@@ -123,7 +123,7 @@ def _run_stall(url: str, bodies: list[dict]) -> dict:
 
 
 def _spawn(url: str, bodies: list[dict], run: str = "_run_clients") -> subprocess.Popen:
-    code = (f"import json, sys; from mmkv.bench_concurrency import {run}; "
+    code = (f"import json, sys; from mmkv.bench.concurrency import {run}; "
             f"url, bodies = json.load(sys.stdin); print(json.dumps({run}(url, bodies)))")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     proc.stdin.write(json.dumps([url, bodies]))
@@ -241,7 +241,7 @@ def bench_concurrency_command(
     stream's stall behind a long prefill, whole vs chunked; each in one run."""
     import torch
 
-    from mmkv.bench_run import build_engine
+    from mmkv.bench.run import build_engine
 
     if mode not in ("clients", "prefill", "all"):
         raise typer.BadParameter("expected clients, prefill or all", param_hint="--mode")

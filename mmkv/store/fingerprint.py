@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from mmkv.disk_tier import atomic_write
+from mmkv.store.disk_tier import atomic_write
 
-log = logging.getLogger("mmkv.fingerprint")
+log = logging.getLogger("mmkv.store.fingerprint")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _READ = 1 << 20

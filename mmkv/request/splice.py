@@ -27,8 +27,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from mmkv.adapters import ImageFeatures, VLAdapter
-from mmkv.chunks import CachedChunk
-from mmkv.rerotate import constant_delta, place_rows, reposition_keys, rotation
+from mmkv.kv.chunks import CachedChunk
+from mmkv.kv.rerotate import constant_delta, place_rows, reposition_keys, rotation
 
 
 @dataclass
@@ -265,7 +265,7 @@ def prefill_spliced(adapter: VLAdapter, input_ids: torch.Tensor, positions: torc
     `cache` may already hold the KV of tokens [0, start) (a prefix-cache hit; any order), but for
     the prompt indices `recompute` (ascending, below `start`; an edit's changed tokens), computed
     in the same forward as the rest. The result equals one forward pass over the same tokens and
-    positions in which each chunk's tokens see only their own chunk (see mmkv.oracle). It runs one
+    positions in which each chunk's tokens see only their own chunk (see mmkv.request.oracle). It runs one
     LM forward; `cache` is filled in place (its layers become prompt-length buffers) and returned
     in the result. With `defer` the KV is placed and the forward left in `result.pending`
     (chunked prefill: `result.advance`).

@@ -1,6 +1,6 @@
 """Records that outlive the process: uploaded images (the engine's `image` record and the server's
 `file` record) and skills, per tenant, with their content-addressed blobs, on disk and / or in
-the shared tier (Redis or Mooncake Store: mmkv/shared_tier.py has its key layout).
+the shared tier (Redis or Mooncake Store: mmkv/store/shared_tier.py has its key layout).
 
 Disk layout under the store root: `records/<kind>/<sha256(tenant)[:32]>/<id>.json` (the record
 with a SHA-256 of itself) and `blobs/<sha256[:2]>/<sha256>` (an upload's original bytes, kept
@@ -21,11 +21,11 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmkv.disk_tier import atomic_write, fsync_dir, remove_temporaries
-from mmkv.fingerprint import content_digest
-from mmkv.shared_tier import SharedTier
+from mmkv.store.disk_tier import atomic_write, fsync_dir, remove_temporaries
+from mmkv.store.fingerprint import content_digest
+from mmkv.store.shared_tier import SharedTier
 
-log = logging.getLogger("mmkv.durable_registry")
+log = logging.getLogger("mmkv.store.durable_registry")
 KINDS = ("image", "file", "skill")
 ID_PATTERN = re.compile(r"[a-z]+-[0-9a-f]{32}")  # engine ids: img-<hash>, skill-<hash>
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from mmkv.adapters import ImageFeatures, VLAdapter
-from mmkv.splice import Placement, pad_features
+from mmkv.request.splice import Placement, pad_features
 
 
 def block_masked_logits(adapter: VLAdapter, input_ids: torch.Tensor, positions: torch.Tensor,

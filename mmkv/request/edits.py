@@ -38,9 +38,9 @@ import torch
 
 from mmkv.adapters import ImageFeatures
 from mmkv.errors import InvalidRequestError
-from mmkv.prefix_cache import read_blocks, write_blocks
-from mmkv.rerotate import constant_delta, place_rows, reposition_keys, rotation
-from mmkv.splice import pad_features, preallocate, prefill_spliced
+from mmkv.store.prefix_cache import read_blocks, write_blocks
+from mmkv.kv.rerotate import constant_delta, place_rows, reposition_keys, rotation
+from mmkv.request.splice import pad_features, preallocate, prefill_spliced
 
 POLICY_NAMES = ("recompute", "erratum", "in_place", "selective")
 

@@ -1,5 +1,5 @@
-"""The shared tier's logic, whatever store holds it (Redis: mmkv/redis_tier.py, Mooncake Store:
-mmkv/mooncake_tier.py): key names, degraded mode, counters, and the records of uploads and skills
+"""The shared tier's logic, whatever store holds it (Redis: mmkv/store/redis_tier.py, Mooncake Store:
+mmkv/store/mooncake_tier.py): key names, degraded mode, counters, and the records of uploads and skills
 written as plain keys, so a backend only supplies a few primitives.
 
 Keys: `mmkv:<namespace>:kv:<durable key>` (chunk KV; the durable key is SHA-256 over content,
@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-log = logging.getLogger("mmkv.shared_tier")
+log = logging.getLogger("mmkv.store.shared_tier")
 SECRET_KEY = "mmkv:tenant-secret"  # shared by every model: a tenant is an API key, whatever the model
 
 
@@ -130,7 +130,7 @@ class SharedTier(ABC):
     def kv_delete(self, key: str) -> None:
         self.call("kv delete", lambda: self._delete(self.key("kv", key)))
 
-    # ---- records of uploads and skills (mmkv/durable_registry.py seals and checks them) ----------
+    # ---- records of uploads and skills (mmkv/store/durable_registry.py seals and checks them) ----------
     def record_put(self, kind: str, tenant: str, id_: str, sealed: bytes, digest: str | None,
                    blob: bytes | None) -> None:
         """The blob first, then the record naming it, then its listing: a failure half-way leaves

@@ -14,7 +14,7 @@ from mmkv.images import PreparedImage
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # The processor's image tokens (send images as image parts) and the private-use characters mmkv's own
-# markers use: \ue000N\ue001 a skill's place, \ue002N\ue003 a special token's text sent as text (mmkv.plan).
+# markers use: \ue000N\ue001 a skill's place, \ue002N\ue003 a special token's text sent as text (mmkv.request.plan).
 RESERVED_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
                    "\ue000", "\ue001", "\ue002", "\ue003")
 # The paper's erratum line, verbatim (MECHANISM.md section 1).

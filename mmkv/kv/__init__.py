@@ -1,0 +1,1 @@
+"""Pure KV and position math: chunks and their re-rotation."""
