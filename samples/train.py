@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from mmkv import tiny
+from mmkv.testing import tiny
 from mmkv.request.messages import erratum_line
 from mmkv.vqa_eval import dataset as D
 from mmkv.vqa_eval import episodes as E

@@ -557,7 +557,7 @@ def test_word_tokens_make_each_field_value_one_token_in_every_format():
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from mmkv import tiny
+    from mmkv.testing import tiny
 
     train = _train_module()
     tok = tiny.build_tokenizer(tiny.DEFAULT_CORPUS, vocab_size=512)  # (like the bundled ones: no field text)
