@@ -132,3 +132,60 @@ def test_processor_tokens_in_client_text_are_refused_or_plain(engine, monkeypatc
         assert engine.adapter.tokenizer.convert_tokens_to_ids(s) not in spy.ids.tolist()
         assert set(spy.ids.tolist()) & specials <= set(
             engine.adapter.tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]))
+
+
+def _text(tag: str) -> list[dict]:
+    return [{"role": "system", "content": POLICY + f" case {tag} ."}, {"role": "user", "content": f"question {tag} ?"}]
+
+
+class InjectedFault(RuntimeError):
+    """Stands in for an out-of-memory error at one stage of a request."""
+
+
+@pytest.mark.parametrize("stage", ["sampler", "fidelity"])
+def test_failed_request_leaves_no_prefix_blocks(engine, monkeypatch, stage):
+    """Review finding 2 (a failed request leaves its deferred prefix insert for the next one): a
+    request that fails after its KV was placed (in the sampler's construction, or in the whole
+    forward `fidelity=True` forces) stores nothing; the next request (here `reuse=False`, which
+    stores nothing itself) does not store the failed one's never-written slots either, and a later
+    exact request about the same prompt answers as the full forward does."""
+    tag = f"fail-{stage}"
+    before = engine.cache.count("prefix")
+    with monkeypatch.context() as m:
+        if stage == "sampler":
+            m.setattr("mmkv.engine.DecodeStream", lambda **_: (_ for _ in ()).throw(InjectedFault("sampler")))
+        else:
+            m.setattr(type(engine), "_fidelity", lambda *_: (_ for _ in ()).throw(InjectedFault("fidelity")))
+        with pytest.raises(InjectedFault):
+            engine.generate(_text(tag), max_new_tokens=1, tenant=tag, fidelity=stage == "fidelity")
+    engine.generate(_text("other"), max_new_tokens=1, tenant=tag, reuse=False)
+    assert engine.cache.count("prefix") == before
+    again = engine.generate(_text(tag), max_new_tokens=1, tenant=tag)
+    exact = engine.generate(_text(tag), max_new_tokens=1, tenant=tag, reuse=False)
+    assert again.usage.cached_tokens == 0
+    assert (again.first_logits - exact.first_logits).abs().max().item() <= TOL
+    engine.check_integrity()
+
+
+def test_delete_between_admission_and_first_token_is_not_undone(engine):
+    """Review finding 4 (a delete between admission and first token is undone): the request's
+    prefix blocks hold the deleted image's KV; once the image is deleted while the request is
+    placed but before its first token, none of them is stored, and a request about the same image
+    uploaded again finds no prefix block from before the delete."""
+    tenant = "delete-mid-request"
+    png = make_png(48, 40, seed=7)
+    image_id = engine.add_image(png, tenant=tenant)
+    msgs = [{"role": "user", "content": [{"type": "image_file", "image_file": {"file_id": image_id}},
+                                         {"type": "text", "text": "what colour is the square ?"}]}]
+    before = engine.cache.count("prefix")
+    run = engine.start(msgs, max_new_tokens=2, tenant=tenant)
+    engine.remove_image(image_id, tenant=tenant)  # the request is admitted, its first token not out
+    with engine._lock:
+        run.prefill()
+        run.stream.step(run.first_logits)
+        run.first_token_out()
+    assert engine.cache.count("prefix") == before
+    assert engine.add_image(png, tenant=tenant) == image_id
+    again = engine.generate(msgs, max_new_tokens=1, tenant=tenant)
+    assert again.prefix_tokens_reused == 0
+    engine.check_integrity()

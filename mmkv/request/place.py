@@ -33,6 +33,7 @@ from mmkv.request.edits import (
     prefill_edited,
 )
 from mmkv.request.messages import erratum_line
+from mmkv.store.kv_store import PurgeWatch
 from mmkv.store.prefix_cache import ChunkSpan, block_keys
 from mmkv.kv.rerotate import constant_delta
 from mmkv.request.splice import PrefillResult, preallocate, prefill_spliced, splice_layout
@@ -124,6 +125,7 @@ class KVPlacer:
         prefix blocks and the recent prompt). A policy that cannot apply, or fails before that
         forward, falls back to the exact path (recompute) and the report says why: a policy never
         turns an answerable request into an error."""
+        watch = self.store.watch()  # a delete before the first token is out cancels what this request stores
         recent = self.recent.of((tenant, salt))
         approximate = edit.name in ("in_place", "selective")
         if approximate:  # and this policy's own earlier turns, oldest first
@@ -159,16 +161,21 @@ class KVPlacer:
                 remember = ((tenant, salt), RecentPrompt(client, prefilled))
         if report is not None:
             report.recomputed_tokens, report.reused_tokens = result.computed_tokens, result.reused_tokens
-        return Placed(result, plan, report, self._commit(insert, remember))
+        return Placed(result, plan, report, self._commit(insert, remember, watch, plan))
 
-    def _commit(self, insert: Insert | None, remember: tuple | None) -> Insert | None:
+    def _commit(self, insert: Insert | None, remember: tuple | None, watch: PurgeWatch,
+                plan: SplicePlan) -> Insert | None:
         """What the request leaves for later ones once its first token is out: its prefix blocks
         and its place among the recent prompts (edit detection). Nothing before: a request that
-        fails earlier leaves no block and no recent prompt whose KV was never stored."""
+        fails earlier leaves no block and no recent prompt whose KV was never stored. Nothing at
+        all when a chunk it placed was purged (deleted) in between: its KV must not come back."""
         if insert is None and remember is None:
             return None
+        sources = {key for key in plan.chunk_keys if key is not None}
 
         def commit() -> None:
+            if watch.touches(sources):
+                return
             if remember is not None:
                 self.recent.add(*remember)
             if insert is not None:
