@@ -148,6 +148,11 @@ class Run:
             self.report["first_logits"] = self.first_logits.cpu()
         return True
 
+    def release_prompt_kv(self) -> None:
+        """Drop the run's reference to its prompt KV once a decode batch holds a copy (the batch
+        decodes it from there): a running request keeps one copy of its KV, not two."""
+        self.prefilled.cache = None
+
     def first_token_out(self) -> None:
         """Call once the first token was sampled and passed on: stores the prompt's prefix blocks."""
         deferred, self.deferred = self.deferred, None

@@ -98,3 +98,11 @@ def settleable(exc: BaseException) -> BaseException:
         error.__cause__ = exc
         return error
     return exc
+
+
+def fail_future(future, exc: BaseException) -> None:
+    """Settle a request's future with `exc`, whether it was still queued or already running; a
+    future already settled or cancelled is left as it is. The one way every loop fails a request."""
+    if future.done() or (not future.running() and not future.set_running_or_notify_cancel()):
+        return
+    future.set_exception(settleable(exc))

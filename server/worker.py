@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmkv.errors import MMKVError, settleable
+from mmkv.errors import MMKVError, fail_future, settleable
 
 log = logging.getLogger("mmkv.server")
 
@@ -95,7 +95,7 @@ class EngineWorker:
             self._cond.notify_all()
         self.scheduler.drain()
         for job in dropped:
-            _fail(job, WorkerStoppedError("the server is shutting down"))
+            fail_future(job.future, WorkerStoppedError("the server is shutting down"))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Refuse new jobs, fail queued ones, cancel the running one and join the thread."""
@@ -167,7 +167,7 @@ class EngineWorker:
                 self._pending.remove(job)
             except ValueError:
                 return
-        _fail(job, JobCancelledError("the request was cancelled"))
+        fail_future(job.future, JobCancelledError("the request was cancelled"))
 
     def _next(self) -> Job | None:
         with self._cond:
@@ -216,9 +216,3 @@ class EngineWorker:
             self.stats = dict(self.engine.stats())
         except Exception:  # noqa: BLE001 - metrics must never take the worker down
             log.exception("engine.stats() failed")
-
-
-def _fail(job: Job, error: Exception) -> None:
-    """Settle a job that will never run (its future may already be cancelled)."""
-    if job.future.set_running_or_notify_cancel():
-        job.future.set_exception(error)

@@ -189,3 +189,23 @@ def test_delete_between_admission_and_first_token_is_not_undone(engine):
     again = engine.generate(msgs, max_new_tokens=1, tenant=tenant)
     assert again.prefix_tokens_reused == 0
     engine.check_integrity()
+
+
+def test_a_running_request_holds_its_prompt_kv_once(engine):
+    """Review finding 11: once a request's KV joined the decode batch, its run no longer holds the
+    prompt-length cache it was prefilled into (the batch row is the one copy it decodes from), and
+    it still decodes exactly as alone."""
+    from mmkv.request.scheduler import Scheduler
+
+    msgs = _text("once")
+    alone = engine.generate(msgs, max_new_tokens=4, tenant="once").token_ids
+    scheduler = Scheduler(engine, max_batch=2).start()
+    held = []
+    try:
+        def on_text(_delta):
+            held.extend(r.run.cache for r in scheduler._running)
+        result = scheduler.submit(msgs, max_new_tokens=4, tenant="once", on_text=on_text).result(60)
+    finally:
+        scheduler.stop()
+    assert held and all(cache is None for cache in held)
+    assert result.token_ids == alone

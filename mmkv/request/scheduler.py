@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from mmkv.errors import MMKVError, settleable
+from mmkv.errors import MMKVError, fail_future
 
 log = logging.getLogger("mmkv.request.scheduler")
 
@@ -73,33 +73,40 @@ class DecodeBatch:
         return 0 if self.cache is None else self.cache.layers[0].keys.shape[-2]
 
     def add(self, cache: DynamicCache) -> None:
-        """Append a request's prefilled cache (batch 1, its own length) as the last row."""
+        """Append a request's prefilled cache (batch 1, its own length) as the last row. All or
+        nothing: every layer's new tensors are built before any is swapped in, so a failure (an
+        out-of-memory error on a GPU) leaves the batch as it was."""
         rows = cache.layers[: self.adapter.num_layers]
         n = rows[0].keys.shape[-2]
         if self.cache is None:
-            self.cache = self.adapter.new_cache()
+            fresh = self.adapter.new_cache()
             for i, layer in enumerate(rows):
-                self.cache.update(layer.keys.clone(), layer.values.clone(), i)
-            self.pad = [0]
+                fresh.update(layer.keys.clone(), layer.values.clone(), i)
+            self.cache, self.pad = fresh, [0]
             return
         k = self.length
         m = max(k, n)
-        for mine, row in zip(self.cache.layers, rows):
-            mine.keys = torch.cat((_left_pad(mine.keys, m - k), _left_pad(row.keys, m - n)), dim=0)
-            mine.values = torch.cat((_left_pad(mine.values, m - k), _left_pad(row.values, m - n)), dim=0)
-        self.pad = [p + m - k for p in self.pad] + [m - n]
+        joined = [(torch.cat((_left_pad(mine.keys, m - k), _left_pad(row.keys, m - n)), dim=0),
+                   torch.cat((_left_pad(mine.values, m - k), _left_pad(row.values, m - n)), dim=0))
+                  for mine, row in zip(self.cache.layers, rows)]
+        self._swap(joined, [p + m - k for p in self.pad] + [m - n])
 
     def remove(self, rows: set[int]) -> None:
+        """Drop `rows` and the padding every remaining row shares; all or nothing, as `add`."""
         keep = [i for i in range(len(self.pad)) if i not in rows]
         if not keep:
             self.cache, self.pad = None, []
             return
         trim = min(self.pad[i] for i in keep)
-        for layer in self.cache.layers:
-            index = torch.tensor(keep, device=layer.keys.device)
-            layer.keys = layer.keys.index_select(0, index)[:, :, trim:]
-            layer.values = layer.values.index_select(0, index)[:, :, trim:]
-        self.pad = [self.pad[i] - trim for i in keep]
+        index = torch.tensor(keep, device=self.cache.layers[0].keys.device)
+        kept = [(layer.keys.index_select(0, index)[:, :, trim:], layer.values.index_select(0, index)[:, :, trim:])
+                for layer in self.cache.layers]
+        self._swap(kept, [self.pad[i] - trim for i in keep])
+
+    def _swap(self, layers: list[tuple[torch.Tensor, torch.Tensor]], pad: list[int]) -> None:
+        for layer, (keys, values) in zip(self.cache.layers, layers):
+            layer.keys, layer.values = keys, values
+        self.pad = pad
 
     def step(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Run token b at position b for every row; logits [B, V]."""
@@ -185,10 +192,13 @@ class Scheduler:
         """Shutdown begins: refuse new requests and fail the waiting ones (503); running ones go on."""
         with self._cond:
             self._draining = True
+        self._fail_waiting("the server is shutting down")
+
+    def _fail_waiting(self, why: str) -> None:
+        with self._cond:
             waiting, self._waiting = list(self._waiting), deque()
         for req in waiting:
-            if req.future.set_running_or_notify_cancel():
-                req.future.set_exception(SchedulerStoppedError("the server is shutting down"))
+            fail_future(req.future, SchedulerStoppedError(why))
 
     @property
     def waiting(self) -> int:
@@ -213,13 +223,24 @@ class Scheduler:
                 admit = None
                 if self._waiting and self._prefilling is None and len(self._running) < self.max_batch:
                     admit = self._waiting.popleft()
-            if admit is not None:
-                self._admit(admit)
-            if self._prefilling is not None:
-                self._prefill()
-            if self._running:
-                self._step()
+            try:
+                if admit is not None:
+                    self._admit(admit)
+                if self._prefilling is not None:
+                    self._prefill()
+                if self._running:
+                    self._step()
+            except BaseException as exc:  # noqa: BLE001 - a fault outside any one request's stages
+                log.exception("scheduler turn failed; failing the requests in flight")
+                self._fail_in_flight(exc)
         self._shut_down()
+
+    def _fail_in_flight(self, exc: BaseException) -> None:
+        """Fail the prefilling and running requests and start the batch afresh: the loop goes on
+        serving the waiting ones, and no request is left without an answer."""
+        for req in ([self._prefilling] if self._prefilling else []) + self._running:
+            fail_future(req.future, exc)
+        self._prefilling, self._running, self.batch = None, [], None
 
     def _admit(self, req: _Request) -> None:
         """Plan the request and place its cached KV; it becomes the prefilling request."""
@@ -230,7 +251,7 @@ class Scheduler:
                 req.on_start()
             req.run = self.engine.start(req.messages, **req.kwargs)
         except BaseException as exc:  # noqa: BLE001 - the request's own failure goes back to it
-            _fail(req, exc)
+            fail_future(req.future, exc)
             return
         self._prefilling = req
 
@@ -249,20 +270,30 @@ class Scheduler:
             if not done:
                 return
             self._prefilling = None
-            token = run.stream.step(run.first_logits)
+            req.token = run.stream.step(run.first_logits)
             run.first_token_out()
+            if req.token is None:
+                req.future.set_result(run.result())
+                return
         except BaseException as exc:  # noqa: BLE001 - the request's own failure goes back to it
             self._prefilling = None
-            _fail(req, exc)
+            fail_future(req.future, exc)
             return
-        if token is None:
-            req.future.set_result(run.result())
-            return
-        req.token = token
+        self._join(req)
+
+    def _join(self, req: _Request) -> None:
+        """The prefilled request's KV becomes a row of the decode batch; if that fails (out of
+        memory), the request alone fails and the batch is as it was."""
         if self.batch is None:
             self.batch = DecodeBatch(self.engine.adapter)
-        with self.engine._lock:
-            self.batch.add(run.cache)
+        try:
+            with self.engine._lock:
+                self.batch.add(req.run.cache)
+        except BaseException as exc:  # noqa: BLE001 - the joining request alone fails
+            log.exception("a request could not join the decode batch")
+            fail_future(req.future, exc)
+            return
+        req.run.release_prompt_kv()  # the batch holds its KV now: one copy, not two
         self._running.append(req)
 
     def _step(self) -> None:
@@ -274,7 +305,7 @@ class Scheduler:
         except BaseException as exc:  # noqa: BLE001 - a failed step fails every request in it
             log.exception("batched decode step failed")
             for r in self._running:
-                _fail(r, exc)
+                fail_future(r.future, exc)
             self._running, self.batch = [], None
             return
         self.decode_steps += 1
@@ -286,27 +317,28 @@ class Scheduler:
                 if r.token is None:
                     r.future.set_result(r.run.result())
             except BaseException as exc:  # noqa: BLE001 - one request's failure is its own
-                _fail(r, exc)
+                fail_future(r.future, exc)
                 r.token = None
             if r.token is None:
                 finished.add(i)
         if finished:
-            with self.engine._lock:
-                self.batch.remove(finished)
+            try:
+                with self.engine._lock:
+                    self.batch.remove(finished)  # all or nothing, as add
+            except BaseException as exc:  # noqa: BLE001 - the batch cannot shrink: its rows cannot go on
+                log.exception("finished requests could not leave the decode batch")
+                self._running = [r for i, r in enumerate(self._running) if i not in finished]
+                self._fail_in_flight(exc)
+                return
             self._running = [r for i, r in enumerate(self._running) if i not in finished]
 
     def _shut_down(self) -> None:
-        with self._cond:
-            waiting, self._waiting = list(self._waiting), deque()
-        for r in waiting:
-            if r.future.set_running_or_notify_cancel():
-                r.future.set_exception(SchedulerStoppedError("the scheduler is shutting down"))
+        """Fail the waiting requests and end the admitted ones "cancelled" with what they have."""
+        self._fail_waiting("the scheduler is shutting down")
         for r in ([self._prefilling] if self._prefilling else []) + self._running:
-            r.run.stream.cancel()
-            r.future.set_result(r.run.result())
+            try:
+                r.run.stream.cancel()
+                r.future.set_result(r.run.result())
+            except BaseException as exc:  # noqa: BLE001 - its answer failed: it gets the error instead
+                fail_future(r.future, exc)
         self._prefilling, self._running, self.batch = None, [], None
-
-
-def _fail(req: _Request, exc: BaseException) -> None:
-    if not req.future.done():
-        req.future.set_exception(settleable(exc))
