@@ -22,7 +22,6 @@ import torch
 from transformers import DynamicCache
 
 from mmkv.adapters import ImageFeatures, VLAdapter, load_adapter
-from mmkv.request.edits import parse_edit_policy
 from mmkv.store.fingerprint import model_fingerprint
 from mmkv.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from mmkv.hub import resolve_model
@@ -31,10 +30,11 @@ from mmkv.store.kv_store import KVStore
 from mmkv.request.messages import parse_messages
 from mmkv.store.prefix_cache import PrefixCache
 from mmkv.request.decode import DecodeStream
-from mmkv.request.sampling import SamplingParams, TokenLogprob, TokenTexts
+from mmkv.request.sampling import TokenLogprob, TokenTexts
+from mmkv.request.spec import RequestSpec, build_spec
 from mmkv.request.tools import ContentFilter, ToolCall, ToolSpec
-from mmkv.request.place import EditReport, KVPlacer
-from mmkv.request.plan import PROCESSOR_ONLY, Planner, SplicePlan, check_policy, check_seam_tokens, check_stops
+from mmkv.request.place import EditReport, KVPlacer, Placed
+from mmkv.request.plan import PROCESSOR_ONLY, Planner, SplicePlan, check_policy, check_seam_tokens
 from mmkv.request.registry import ImageInfo, Registries, RegisteredImage, SkillInfo, check_skill
 from mmkv.request.registry import image_id_for  # noqa: F401  re-exported: mmkv.bench.run imports it from here
 from mmkv.request.splice import PrefillResult, prefill_full
@@ -358,18 +358,14 @@ class Engine:
                 token = run.stream.step(self.adapter.forward(torch.tensor([token]), position, run.cache)[0])
         return run.result()
 
-    def start(self, messages, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, stop: list[str] | str | None = None, reuse: bool = True,
-                 seam_tokens: int | None = None, rope_policy: str | None = None, tenant: str = "",
-                 on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None,
-                 fidelity: bool = False, edit_policy: str | None = None, top_k: int = 0,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 logit_bias: dict[int, float] | None = None, logprobs: bool = False, top_logprobs: int = 0,
-                 on_logprobs: Callable[[list[TokenLogprob]], None] | None = None, tools: list[dict] | None = None,
-                 tool_choice: str | dict | None = None) -> Run:
+    def start(self, messages, **kwargs) -> Run:
         """Validate, plan and place one request's cached KV; returns its `Run`, whose forward
         (`Run.prefill`: whole, or chunked between decode steps) and decoding `generate` or the
-        scheduler drives (mmkv.request.scheduler). The same arguments as `generate`.
+        scheduler drives (mmkv.request.scheduler). The same arguments as `generate`; keyword
+        arguments: max_new_tokens (64), temperature, top_p, top_k, seed, stop, presence_penalty,
+        frequency_penalty, logit_bias, logprobs, top_logprobs, reuse (True), seam_tokens,
+        rope_policy, tenant, fidelity, edit_policy, tools, tool_choice, on_text, should_stop,
+        on_logprobs (mmkv.request.spec.build_spec checks them).
 
         Answer OpenAI-shaped `messages`. `reuse=False` is the reference: one full causal forward.
 
@@ -396,65 +392,88 @@ class Engine:
         template (refused when it has no tool support); `<tool_call>` blocks in the answer become
         `result.tool_calls` (finish_reason "tool_calls") and never reach `on_text`.
         """
+        return self.start_request(self.request_spec(messages, **kwargs))
+
+    def request_spec(self, messages, **kwargs) -> RequestSpec:
+        """`start`'s keyword arguments validated into one `RequestSpec` (the first stage)."""
+        return build_spec(messages, vocab_size=self.vocab_size, default_seam=self.settings.seam_tokens,
+                          default_policy=self.settings.rope_policy, tool_spec=self.planner.tool_spec, **kwargs)
+
+    def start_request(self, spec: RequestSpec) -> Run:
+        """The stages after validation (docs/structure.md): the prompt (messages parsed, images and
+        skills resolved, the template tokenized), placement (cached KV placed, the forward left
+        pending), accounting (what was reused), and the decoding stream."""
         t0 = time.perf_counter()
-        seam = check_seam_tokens(self.settings.seam_tokens if seam_tokens is None else seam_tokens)
-        policy = check_policy(rope_policy or self.settings.rope_policy)
-        edit = parse_edit_policy(edit_policy)
-        stops = check_stops(stop)
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise InvalidRequestError("max_new_tokens must be a positive integer", param="max_tokens")
-        sampling = SamplingParams.build(
-            self.vocab_size, temperature=temperature, top_p=top_p, top_k=top_k, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed, logprobs=logprobs,
-            top_logprobs=top_logprobs)
-        tool_spec = self.planner.tool_spec(tools, tool_choice)
-        template, refs = parse_messages(messages)
-        prepared = self.registry.prepare_inline(refs)
+        template, refs = parse_messages(spec.messages)
+        prepared = self.registry.prepare_inline(refs)  # decoding and hashing: before the lock
         with self._lock, self.registry.inline_images() as held:
-            runs_before = self.registry.vision_tower_runs
+            before = (self.registry.vision_tower_runs, self.registry.precompiled_tokens)
             self.registry.fresh.clear()  # reused counts only KV that existed before this request
-            computed_before = self.registry.precompiled_tokens
-            resolved = self.registry.resolve(refs, tenant, prepared, held)
-            input_ids, spans = self.planner.prompt(template, resolved, tool_spec)
-            if input_ids.numel() + max_new_tokens > self.max_context:
-                raise PromptTooLongError(
-                    f"prompt of {input_ids.numel()} tokens plus max_tokens {max_new_tokens} exceeds the context "
-                    f"of {self.max_context} tokens", param="messages")
-            report = insert = None
-            if reuse:
-                plan = self.planner.plan(input_ids, [(s, self.registry.chunk_for(r, tenant)) for s, r in spans], policy)
-                placed = self.placer.prefill(plan, tenant, self._salt(tenant, seam, policy), seam, policy, edit,
-                                             max_new_tokens)  # forward pending
-                prefill, plan, report, insert = placed.prefill, placed.plan, placed.report, placed.insert
-            else:
-                images = [r for r in resolved if isinstance(r, RegisteredImage)]
-                native = self.adapter.native_positions(input_ids, [r.grid_thw for r in images])
-                feats = ImageFeatures.concat([self.registry.encode(r) for r in images])
-                prefill = prefill_full(self.adapter, input_ids, native, feats, defer=True)
-                plan = SplicePlan(input_ids, native, native, [], [None] * input_ids.numel())
-            if fidelity and reuse:
-                prefill.advance()  # the comparison needs the logits now: the forward runs whole
-            fid = self._fidelity(prefill, plan) if fidelity and reuse else None
-            precompiled = self.registry.precompiled_tokens - computed_before
-            reused_kinds = self._reused_by_kind(plan, prefill, self.registry.fresh)
-            self._counters.prefill_tokens += prefill.computed_tokens
-            self._counters.reused_tokens += reused_kinds["all"]
-            self._counters.requests += 1
-            calls = ContentFilter(tool_spec.forced_prefix()) if tool_spec and tool_spec.choice != "none" else None
-            content = (lambda delta: (out := calls.feed(delta)) and on_text and on_text(out)) if calls else on_text
-            stream = DecodeStream(
-                tokenizer=self.adapter.tokenizer, token_texts=self.token_texts, stop_ids=self.stop_ids,
-                banned_ids=self.banned_ids, sampling=sampling, stops=stops, max_new_tokens=max_new_tokens,
-                first_position=int(plan.positions.max()) + 1, on_text=content, on_logprobs=on_logprobs,
-                should_stop=should_stop, t0=t0, device=self.adapter.device)
-            report_fields = dict(
-                usage=Usage(plan.input_ids.numel(), reused_kinds["all"], 0), image_tokens_reused=reused_kinds["image"],
-                lm_tokens_computed=prefill.computed_tokens + precompiled,
-                vision_tower_runs=self.registry.vision_tower_runs - runs_before,
-                seam_tokens=seam, rope_policy=policy, reuse=reuse, prefix_tokens_reused=reused_kinds["prefix"],
-                skill_tokens_reused=reused_kinds["skill"], fidelity=fid, edit=report,
-                first_logits=None)  # set by Run.prefill
-            return Run(stream, prefill, report_fields, calls, tool_spec, on_text, self._run_under_lock(insert))
+            resolved = self.registry.resolve(refs, spec.tenant, prepared, held)
+            input_ids, spans = self._prompt(spec, template, resolved)
+            placed = self._place(spec, input_ids, spans, resolved)
+            fidelity = self._fidelity(placed.prefill, placed.plan) if spec.fidelity and spec.reuse else None
+            report = self._account(spec, placed, before, fidelity)
+            calls, stream = self._stream(spec, placed.plan, t0)
+            return Run(stream, placed.prefill, report, calls, spec.tools, spec.on_text,
+                       self._run_under_lock(placed.insert))
+
+    def _prompt(self, spec: RequestSpec, template: list[dict], resolved: list) -> tuple[torch.Tensor, list]:
+        """The prompt's token ids and its image and skill spans; refused when it and its answer do
+        not fit the context."""
+        input_ids, spans = self.planner.prompt(template, resolved, spec.tools)
+        if input_ids.numel() + spec.max_new_tokens > self.max_context:
+            raise PromptTooLongError(
+                f"prompt of {input_ids.numel()} tokens plus max_tokens {spec.max_new_tokens} exceeds the context "
+                f"of {self.max_context} tokens", param="messages")
+        return input_ids, spans
+
+    def _place(self, spec: RequestSpec, input_ids: torch.Tensor, spans: list, resolved: list) -> Placed:
+        """Reuse: every chunk's cached KV and the longest prefix hit placed, edits applied
+        (mmkv.request.place). Else the reference: one full forward over the whole prompt. Either
+        forward is left pending (the scheduler runs it in chunks), unless `fidelity` needs its
+        logits now."""
+        if spec.reuse:
+            chunks = [(s, self.registry.chunk_for(r, spec.tenant)) for s, r in spans]
+            plan = self.planner.plan(input_ids, chunks, spec.policy)
+            placed = self.placer.prefill(plan, spec.tenant, self._salt(spec.tenant, spec.seam, spec.policy), spec.seam,
+                                         spec.policy, spec.edit, spec.max_new_tokens)
+            if spec.fidelity:
+                placed.prefill.advance()  # the comparison needs the logits now: the forward runs whole
+            return placed
+        images = [r for r in resolved if isinstance(r, RegisteredImage)]
+        native = self.adapter.native_positions(input_ids, [r.grid_thw for r in images])
+        feats = ImageFeatures.concat([self.registry.encode(r) for r in images])
+        prefill = prefill_full(self.adapter, input_ids, native, feats, defer=True)
+        return Placed(prefill, SplicePlan(input_ids, native, native, [], [None] * input_ids.numel()), None, None)
+
+    def _account(self, spec: RequestSpec, placed: Placed, before: tuple[int, int], fidelity: Fidelity | None) -> dict:
+        """The result's fields known now (tokens reused by kind, computed, vision tower runs) and
+        the engine's counters. Only KV that existed before the request counts as reused."""
+        prefill, plan = placed.prefill, placed.plan
+        runs_before, computed_before = before
+        reused = self._reused_by_kind(plan, prefill, self.registry.fresh)
+        self._counters.prefill_tokens += prefill.computed_tokens
+        self._counters.reused_tokens += reused["all"]
+        self._counters.requests += 1
+        return dict(
+            usage=Usage(plan.input_ids.numel(), reused["all"], 0), image_tokens_reused=reused["image"],
+            lm_tokens_computed=prefill.computed_tokens + self.registry.precompiled_tokens - computed_before,
+            vision_tower_runs=self.registry.vision_tower_runs - runs_before, seam_tokens=spec.seam,
+            rope_policy=spec.policy, reuse=spec.reuse, prefix_tokens_reused=reused["prefix"],
+            skill_tokens_reused=reused["skill"], fidelity=fidelity, edit=placed.report,
+            first_logits=None)  # set by Run.prefill
+
+    def _stream(self, spec: RequestSpec, plan: SplicePlan, t0: float) -> tuple[ContentFilter | None, DecodeStream]:
+        """The decoding state; with tools, a filter that holds `<tool_call>` text back from `on_text`."""
+        tools, on_text = spec.tools, spec.on_text
+        calls = ContentFilter(tools.forced_prefix()) if tools and tools.choice != "none" else None
+        content = (lambda delta: (out := calls.feed(delta)) and on_text and on_text(out)) if calls else on_text
+        return calls, DecodeStream(
+            tokenizer=self.adapter.tokenizer, token_texts=self.token_texts, stop_ids=self.stop_ids,
+            banned_ids=self.banned_ids, sampling=spec.sampling, stops=spec.stops, max_new_tokens=spec.max_new_tokens,
+            first_position=int(plan.positions.max()) + 1, on_text=content, on_logprobs=spec.on_logprobs,
+            should_stop=spec.should_stop, t0=t0, device=self.adapter.device)
 
     def _run_under_lock(self, fn: Callable[[], object] | None) -> Callable[[], None] | None:
         if fn is None:

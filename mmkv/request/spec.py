@@ -1,0 +1,64 @@
+"""One request's settings, validated once: `RequestSpec`, what every later stage of `Engine.start`
+(prompt, placement, accounting, decoding) reads instead of a long list of keyword arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mmkv.errors import InvalidRequestError
+from mmkv.request.edits import EditPolicy, parse_edit_policy
+from mmkv.request.plan import check_policy, check_seam_tokens, check_stops
+from mmkv.request.sampling import SamplingParams, TokenLogprob
+from mmkv.request.tools import ToolSpec
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    messages: Any  # OpenAI-shaped messages, parsed by the prompt stage
+    max_new_tokens: int
+    sampling: SamplingParams
+    stops: list[str]
+    reuse: bool  # False: the reference, one full forward with no cached KV
+    seam: int  # seam tokens recomputed at the start of each spliced chunk
+    policy: str  # rope policy: where a chunk's keys are turned to
+    edit: EditPolicy
+    tenant: str
+    fidelity: bool  # also run the full recompute and report the first logits' gap
+    tools: ToolSpec | None
+    on_text: Callable[[str], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+    on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
+
+
+def build_spec(messages, *, vocab_size: int, default_seam: int, default_policy: str,
+               tool_spec: Callable[[Any, Any], ToolSpec | None], max_new_tokens: int = 64,
+               temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+               stop: list[str] | str | None = None, reuse: bool = True, seam_tokens: int | None = None,
+               rope_policy: str | None = None, tenant: str = "", on_text=None, should_stop=None,
+               fidelity: bool = False, edit_policy: str | None = None, top_k: int = 0,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+               logit_bias: dict[int, float] | None = None, logprobs: bool = False, top_logprobs: int = 0,
+               on_logprobs=None, tools: list[dict] | None = None,
+               tool_choice: str | dict | None = None) -> RequestSpec:
+    """`Engine.start`'s keyword arguments checked (each bad value an InvalidRequestError naming
+    its parameter) and gathered; the engine's own defaults fill what the request leaves out."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise InvalidRequestError("max_new_tokens must be a positive integer", param="max_tokens")
+    for name, value in (("reuse", reuse), ("fidelity", fidelity)):
+        if not isinstance(value, bool):
+            raise InvalidRequestError(f"{name} must be true or false", param=name)
+    if not isinstance(tenant, str):
+        raise InvalidRequestError("tenant must be a string", param="tenant")
+    return RequestSpec(
+        messages=messages, max_new_tokens=max_new_tokens,
+        sampling=SamplingParams.build(
+            vocab_size, temperature=temperature, top_p=top_p, top_k=top_k, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed, logprobs=logprobs,
+            top_logprobs=top_logprobs),
+        stops=check_stops(stop), reuse=reuse,
+        seam=check_seam_tokens(default_seam if seam_tokens is None else seam_tokens),
+        policy=check_policy(rope_policy or default_policy), edit=parse_edit_policy(edit_policy), tenant=tenant,
+        fidelity=fidelity, tools=tool_spec(tools, tool_choice), on_text=on_text, should_stop=should_stop,
+        on_logprobs=on_logprobs)
