@@ -20,10 +20,10 @@ from mmkv.store.fingerprint import model_fingerprint
 KEY, FINGERPRINT = "k" * 64, "f" * 64
 
 
-def image_chunk(grid=(1, 4, 6), deepstack: int = 2) -> CachedChunk:
-    """A small image chunk: 6 pad tokens between its start and end, 2 layers, `deepstack` layers of features."""
+def image_chunk(grid=(1, 4, 6), deepstack: int = 2, pads: int = 6) -> CachedChunk:
+    """An image chunk: `pads` pad tokens between its start and end, 2 layers, `deepstack` layers of features."""
     g = torch.Generator().manual_seed(0)
-    n, pads = 8, 6
+    n = pads + 2
     kv = lambda: torch.randn(2, n, 4, generator=g)  # noqa: E731
     features = ImageFeatures(torch.randn(pads, 8, generator=g), tuple(torch.randn(pads, 8, generator=g)
                                                                        for _ in range(deepstack)))
