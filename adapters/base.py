@@ -237,10 +237,6 @@ class VLAdapter:
         finally:
             self.language_model.layers = layers
 
-    def fingerprint_source(self) -> str:
-        """Text that identifies the model's computation: config and dtype."""
-        return f"{self.config.to_json_string(use_diff=False)}|{self.dtype}"
-
 
 def read_model_type(model_dir: str | Path) -> str:
     path = Path(model_dir)

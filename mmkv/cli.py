@@ -180,6 +180,7 @@ def serve(
         limits = ConnectionLimits(max_connections=max_connections, header_timeout_s=header_timeout_s,
                                   keep_alive_s=keep_alive_s, max_header_bytes=max_header_kb << 10,
                                   grace_s=shutdown_grace_s)
+        app = create_app(engine, settings)  # with a shared tier: its tenant secret, or a refusal to start
     except (MMKVError, AssertionError, ValueError) as exc:
         missing = isinstance(exc, ModelLoadError) and model_dir is not None and not os.path.isdir(model_dir)
         hint = ("\nmmkv serve: pass MODEL_DIR as a local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint directory "
@@ -198,7 +199,7 @@ def serve(
         log.warning(f"listening on {host} with no --api-key: anyone who can reach it can use it")
     log.info(f"OpenAI base URL: http://{host}:{port}/v1")
     try:
-        serve(create_app(engine, settings), host, port, limits, log_config=config, log_level=log_level.lower())
+        serve(app, host, port, limits, log_config=config, log_level=log_level.lower())
     finally:
         engine.close()  # queued tier writes land, the store directory is released
 

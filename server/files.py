@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import base64
 import mimetypes
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -42,7 +43,8 @@ class StoredFile:
     tenant: str
     filename: str
     content_type: str  # the decoded image's own type, never the one the client sent
-    data: bytes
+    data: bytes  # empty in a listing's entry for a file not kept here (see FileStore.list)
+    nbytes: int  # the upload's size
     created_at: int  # unix seconds
     width: int
     height: int
@@ -59,7 +61,14 @@ class FileStore:
     """Image bytes per (tenant, id): one byte budget across tenants (507) and a byte and file
     quota per tenant (429), so one key cannot fill the store for the others.
 
-    Not thread-safe: only the event loop touches it. A file is counted once per tenant that
+    Every byte held here is inside those budgets, whichever way it came: an upload, a restart, or
+    a fetch of another server's upload from the shared tier. A fetched file is kept only while
+    its key's quota and the budget have room; beyond them it is answered for that call and let go
+    (a listing holds at most one such file's bytes at a time).
+
+    Thread-safe: a lock guards the in-memory state and the durable tiers' I/O (disk fsyncs,
+    shared-store round trips) runs outside it, so the server calls every method but `check_room`
+    through its thread pool, never on the event loop. A file is counted once per tenant that
     uploaded it. Listing is in upload order.
     """
 
@@ -69,6 +78,8 @@ class FileStore:
         self.key_bytes = key_bytes or max_bytes
         self.key_files = key_files or 1 << 62
         self.nbytes = 0
+        self.not_kept = 0  # files fetched from the shared tier and let go: no room under the budgets
+        self._lock = threading.Lock()
         self._files: dict[tuple[str, str], StoredFile] = {}
         self._usage: dict[str, _Usage] = {}
         # mmkv.store.durable_registry.DurableRegistry (disk / shared tier) or None: files that outlive the
@@ -76,15 +87,19 @@ class FileStore:
         self.durable = durable
         for rec in durable.local("file") if durable is not None else ():
             if durable.gone("file", rec.tenant, rec.id):  # deleted on another server while this one was down
-                durable.remove("file", rec.tenant, rec.id)
+                durable.drop_local("file", rec.tenant, rec.id)
             else:
-                self._insert(_stored_from(rec))
+                self._keep_if_room(_stored_from(rec))
 
     def __len__(self) -> int:
         return len(self._files)
 
     def check_room(self, tenant: str, nbytes: int) -> None:
         """Raises FileQuotaError (this key is full) or FileStoreFullError (the store is)."""
+        with self._lock:
+            self._check_room(tenant, nbytes)
+
+    def _check_room(self, tenant: str, nbytes: int) -> None:
         usage = self._usage.get(tenant, _Usage())
         if usage.files + 1 > self.key_files:
             raise FileQuotaError(f"this API key already keeps {usage.files} files, its quota; delete files first",
@@ -103,40 +118,71 @@ class FileStore:
 
     def _local(self, tenant: str, file_id: str) -> StoredFile | None:
         """The file kept here, unless the shared tier says it was deleted (on another server)."""
-        file = self._files.get((tenant, file_id))
+        with self._lock:
+            file = self._files.get((tenant, file_id))
         if file is not None and self.durable is not None and self.durable.gone("file", tenant, file_id):
-            self._forget(file)
+            self._drop(file)
             file = None
         return file
 
     def add(self, file: StoredFile) -> StoredFile:
-        """Store `file`; an id the tenant already has returns the stored one unchanged."""
+        """Store `file`; an id the tenant already has returns the stored one unchanged. Its room is
+        taken before the durable write, so concurrent uploads cannot both pass the quota."""
         existing = self._local(file.tenant, file.id)
         if existing is not None:
             return existing
-        self.check_room(file.tenant, len(file.data))
-        self._insert(file)
+        with self._lock:
+            existing = self._files.get((file.tenant, file.id))
+            if existing is not None:
+                return existing
+            self._check_room(file.tenant, file.nbytes)
+            self._insert(file)
         if self.durable is not None:
             meta = {"filename": file.filename, "content_type": file.content_type, "created_at": file.created_at,
                     "width": file.width, "height": file.height, "image_tokens": file.image_tokens}
-            self.durable.put("file", file.tenant, file.id, meta, file.data)
+            try:
+                self.durable.put("file", file.tenant, file.id, meta, file.data)
+            except BaseException:
+                with self._lock:
+                    self._uninsert(file)
+                raise
         return file
 
     def _insert(self, file: StoredFile) -> None:
         self._files[(file.tenant, file.id)] = file
-        self.nbytes += len(file.data)
+        self.nbytes += file.nbytes
         usage = self._usage.setdefault(file.tenant, _Usage())
         usage.files += 1
-        usage.nbytes += len(file.data)
+        usage.nbytes += file.nbytes
+
+    def _uninsert(self, file: StoredFile) -> None:
+        if self._files.pop((file.tenant, file.id), None) is None:
+            return
+        self.nbytes -= file.nbytes
+        usage = self._usage[file.tenant]
+        usage.files -= 1
+        usage.nbytes -= file.nbytes
+        if not usage.files:
+            del self._usage[file.tenant]
+
+    def _keep_if_room(self, file: StoredFile) -> StoredFile:
+        """`file` kept here when its key's quota and the budget have room; the one already kept, if any."""
+        with self._lock:
+            held = self._files.get((file.tenant, file.id))
+            if held is not None:
+                return held
+            try:
+                self._check_room(file.tenant, file.nbytes)
+            except (FileQuotaError, FileStoreFullError):
+                self.not_kept += 1
+                return file
+            self._insert(file)
+            return file
 
     def _fetch(self, tenant: str, file_id: str) -> StoredFile | None:
-        """A file another server put in the shared tier, now kept here too."""
+        """A file another server put in the shared tier (kept here too if there is room)."""
         rec = self.durable.get("file", tenant, file_id) if self.durable is not None else None
-        if rec is None:
-            return None
-        file = _stored_from(rec)
-        self._insert(file)
-        return file
+        return self._keep_if_room(_stored_from(rec)) if rec is not None else None
 
     def get(self, tenant: str, file_id: str, param: str = "file_id") -> StoredFile:
         file = self._local(tenant, file_id) or self._fetch(tenant, file_id)
@@ -145,44 +191,58 @@ class FileStore:
         return file
 
     def list(self, tenant: str) -> list[StoredFile]:
+        """This tenant's files, oldest first: those kept here, and those only the shared tier holds
+        (fetched one by one; an entry for one not kept here carries no bytes)."""
+        listed = []
         if self.durable is not None:
             shared = set(self.durable.shared_ids("file", tenant))
-            for file_id in shared - {i for (t, i) in self._files if t == tenant}:
-                self._fetch(tenant, file_id)
-            for file in [f for (t, i), f in self._files.items() if t == tenant and i not in shared]:
+            for file_id in sorted(shared - {f.id for f in self._held(tenant)}):
+                file = self._fetch(tenant, file_id)
+                if file is not None and not self._is_kept(file):
+                    listed.append(replace(file, data=b""))
+            for file in [f for f in self._held(tenant) if f.id not in shared]:
                 if self.durable.gone("file", tenant, file.id):  # deleted on another server
-                    self._forget(file)
-        return [f for (t, _), f in self._files.items() if t == tenant]
+                    self._drop(file)
+        return sorted(self._held(tenant) + listed, key=lambda f: f.created_at)
+
+    def _held(self, tenant: str) -> list[StoredFile]:
+        with self._lock:
+            return [f for (t, _), f in self._files.items() if t == tenant]
+
+    def _is_kept(self, file: StoredFile) -> bool:
+        with self._lock:
+            return self._files.get((file.tenant, file.id)) is file
 
     def remove(self, tenant: str, file_id: str) -> StoredFile:
+        """Delete a file: from the durable tiers first (the shared tier's tombstone included), so a
+        shared tier that does not answer raises SharedTierUnavailableError and the file stays."""
         file = self.get(tenant, file_id)
-        self._forget(file)
+        if self.durable is not None:
+            self.durable.remove("file", tenant, file_id)
+        with self._lock:
+            self._uninsert(file)
         return file
 
-    def _forget(self, file: StoredFile) -> None:
-        tenant = file.tenant
-        del self._files[(tenant, file.id)]
+    def _drop(self, file: StoredFile) -> None:
+        """Forget a file deleted on another server (which left the shared tier's tombstone)."""
         if self.durable is not None:
-            self.durable.remove("file", tenant, file.id)
-        self.nbytes -= len(file.data)
-        usage = self._usage[tenant]
-        usage.files -= 1
-        usage.nbytes -= len(file.data)
-        if not usage.files:
-            del self._usage[tenant]
+            self.durable.drop_local("file", file.tenant, file.id)
+        with self._lock:
+            self._uninsert(file)
 
 
 def _stored_from(rec) -> StoredFile:
     m = rec.meta
     return StoredFile(id=rec.id, tenant=rec.tenant, filename=m["filename"], content_type=m["content_type"],
-                      data=rec.blob, created_at=m["created_at"], width=m["width"], height=m["height"],
-                      image_tokens=m["image_tokens"])
+                      data=rec.blob, nbytes=len(rec.blob), created_at=m["created_at"], width=m["width"],
+                      height=m["height"], image_tokens=m["image_tokens"])
 
 
 def new_stored_file(tenant: str, image_id: str, filename: str, media_type: str, data: bytes,
                     width: int, height: int, image_tokens: int) -> StoredFile:
     return StoredFile(id=image_id, tenant=tenant, filename=filename, content_type=media_type, data=data,
-                      created_at=int(time.time()), width=width, height=height, image_tokens=image_tokens)
+                      nbytes=len(data), created_at=int(time.time()), width=width, height=height,
+                      image_tokens=image_tokens)
 
 
 async def resolve_image_url(url: str, allowed_prefixes: tuple[str, ...], max_bytes: int, param: str) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from mmkv.errors import InvalidRequestError, MMKVError
 
@@ -277,7 +278,8 @@ async def _engine_image_part(ctx: ServerContext, part: ImageURLPart | ImageFileP
         # An uploaded id written as a URL: the same as an image_file part.
         part = ImageFilePart(type="image_file", image_file={"file_id": part.image_url.url.removeprefix("mmkv://")})
     if isinstance(part, ImageFilePart):
-        file_id = ctx.files.get(tenant, part.image_file.file_id, param=f"{param}.image_file.file_id").id
+        file_id = (await run_in_threadpool(ctx.files.get, tenant, part.image_file.file_id,
+                                           f"{param}.image_file.file_id")).id
         return {"type": "image_file", "image_file": {"file_id": file_id}}
     url_param = f"{param}.image_url.url"
     url = part.image_url.url

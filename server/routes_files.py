@@ -1,5 +1,6 @@
 """/v1/files: upload an image once (decoded off the engine worker, precompiled on it), list its
-files page by page, serve the bytes back safely, delete it and everything derived from it."""
+files page by page, serve the bytes back safely, delete it and everything derived from it. The
+file store's disk and shared-tier I/O runs on the thread pool, never on the event loop."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
 from mmkv.errors import InvalidImageError, InvalidRequestError, UnknownImageError
 
@@ -40,10 +42,8 @@ def files_router(ctx: ServerContext) -> APIRouter:
         (image_id, info), _ = await ctx.run_job(request, add)
         stored = new_stored_file(tenant, image_id, file.filename or "image", upload.media_type, data,
                                  info.width, info.height, info.image_tokens)
-        if files.has(tenant, image_id):
-            return _file_object(files.get(tenant, image_id))
         try:
-            stored = files.add(stored)
+            stored = await run_in_threadpool(files.add, stored)  # the one kept, if this key has it already
         except (FileStoreFullError, FileQuotaError):  # a concurrent upload took the room: undo
             await ctx.run_job(request, lambda engine, _: engine.remove_image(image_id, tenant=tenant))
             raise
@@ -53,33 +53,34 @@ def files_router(ctx: ServerContext) -> APIRouter:
     async def list_files(page: PageQuery = Depends(page_query), purpose: str | None = None,
                          tenant: str = Depends(ctx.tenant_of)) -> FileList:
         """This key's files, newest first by default; OpenAI's cursor pagination."""
-        listed = files.list(tenant) if purpose in (None, "vision") else []
+        listed = await run_in_threadpool(files.list, tenant) if purpose in (None, "vision") else []
         p = paginate(listed, lambda f: f.id, page)
         return FileList(data=[_file_object(f) for f in p.items], first_id=p.first_id, last_id=p.last_id,
                         has_more=p.has_more)
 
     @router.get("/v1/files/{file_id}", response_model=FileObject)
     async def get_file(file_id: str, tenant: str = Depends(ctx.tenant_of)) -> FileObject:
-        return _file_object(files.get(tenant, file_id))
+        return _file_object(await run_in_threadpool(files.get, tenant, file_id))
 
     @router.get("/v1/files/{file_id}/content", response_class=Response)
     async def get_file_content(file_id: str, tenant: str = Depends(ctx.tenant_of)) -> Response:
         """The uploaded bytes, as the image type they decoded as, as a download: never rendered
         as a page of the API's origin, whatever the client claimed at upload."""
-        stored = files.get(tenant, file_id)
+        stored = await run_in_threadpool(files.get, tenant, file_id)
         return Response(stored.data, media_type=stored.content_type, headers={
             "Content-Disposition": f"attachment; filename*=UTF-8''{quote(stored.filename, safe='')}",
             "X-Content-Type-Options": "nosniff"})
 
     @router.delete("/v1/files/{file_id}", response_model=FileDeleted)
     async def delete_file(request: Request, file_id: str, tenant: str = Depends(ctx.tenant_of)) -> FileDeleted:
-        """Drop the bytes, the image and every cached entry derived from it."""
-        files.get(tenant, file_id)
+        """Drop the bytes, the image and every cached entry derived from it, on every tier: a shared
+        tier that does not answer makes it a 503 (retry it; docs/server.md, Delete)."""
+        await run_in_threadpool(files.get, tenant, file_id)
         try:
             await ctx.run_job(request, lambda engine, _: engine.remove_image(file_id, tenant=tenant))
         except UnknownImageError:
             pass  # the engine no longer has it; the bytes still go
-        files.remove(tenant, file_id)
+        await run_in_threadpool(files.remove, tenant, file_id)
         return FileDeleted(id=file_id)
 
     return router
@@ -98,5 +99,5 @@ def _only_file_and_purpose(form) -> None:
 
 
 def _file_object(f: StoredFile) -> FileObject:
-    return FileObject(id=f.id, bytes=len(f.data), created_at=f.created_at, filename=f.filename, purpose="vision",
+    return FileObject(id=f.id, bytes=f.nbytes, created_at=f.created_at, filename=f.filename, purpose="vision",
                       width=f.width, height=f.height, image_tokens=f.image_tokens)

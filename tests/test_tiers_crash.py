@@ -51,8 +51,8 @@ def _crash_at(point: str, nth: int, adapter, store: Path) -> None:
 
     for module in (mmkv.store.disk_tier, mmkv.store.durable_registry, mmkv.store.tiers):
         module.atomic_write = injected
-    mmkv.store.tiers.Tiers.store = lambda self, key, chunk: mmkv.store.tiers._write_through(
-        self.disk, self.shared, self.fingerprint, self.counts, key, chunk)
+    mmkv.store.tiers.Tiers.store = lambda self, key, chunk, shared=True: mmkv.store.tiers._write_through(
+        self.disk, self.shared, self.fingerprint, self.counts, key, chunk, None)
     engine = Engine(adapter, store=StoreConfig(store))
     engine.add_image(make_png(64, 48, seed=1))
     engine.add_skill("brief", "Answer in one word.")

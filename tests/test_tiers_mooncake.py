@@ -191,3 +191,67 @@ def test_master_down_then_back(model_dir, master):
         engine.close()
         if master.proc.poll() is not None:
             master.start()
+
+
+class FakeStore:
+    """The part of MooncakeDistributedStore the tier uses, over one dict that every instance shares
+    (servers on one pool); `before_remove(key)` runs before each of this instance's removes."""
+
+    pool: dict[str, bytes] = {}
+    before_remove = staticmethod(lambda key: None)
+
+    def setup(self, *args) -> int:
+        return 0
+
+    def health_check(self) -> int:
+        return 0
+
+    def get(self, key: str) -> bytes:
+        return self.pool.get(key, b"")
+
+    def upsert(self, key: str, value: bytes) -> int:
+        self.pool[key] = bytes(value)
+        return 0
+
+    def put(self, key: str, value: bytes) -> int:
+        self.pool.setdefault(key, bytes(value))
+        return 0
+
+    def remove(self, key: str, force: bool) -> int:
+        self.before_remove(key)
+        return 0 if self.pool.pop(key, None) is not None else -704
+
+    def is_exist(self, key: str) -> int:
+        return int(key in self.pool)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_blob_named_by_another_record_survives_a_racing_delete_on_mooncake(monkeypatch):
+    """Review finding 6: on Mooncake (no transactions) a blob's reference count was a
+    read-modify-write across calls: a server adding a record for the same bytes between another
+    server's count reaching 0 and its delete of the blob lost the bytes its record names. Each
+    record now keeps its own copy, so there is no count to race on."""
+    import mmkv.store.mooncake_tier as mooncake_tier
+
+    FakeStore.pool = {}
+    racer = type("Racer", (FakeStore,), {})
+    monkeypatch.setattr(mooncake_tier.MooncakeTier, "_probe", lambda self, host, port, what: None)
+    monkeypatch.setattr(mooncake_tier, "load_store_class", lambda: racer)
+    a = mooncake_tier.MooncakeTier("127.0.0.1:50051", None, "ns")
+    monkeypatch.setattr(mooncake_tier, "load_store_class", lambda: FakeStore)
+    b = mooncake_tier.MooncakeTier("127.0.0.1:50051", None, "ns")
+    digest, blob, raced = "d" * 64, b"the upload's bytes", []
+    a.record_put("image", "t", "img-1", b'{"sealed": 1}', digest, blob)
+
+    def b_writes_first(key):  # B's write lands just before A's first removal of a blob
+        if ":blob:" in key and not raced:
+            raced.append(key)
+            b.record_put("file", "t", "img-1", b'{"sealed": 2}', digest, blob)
+
+    racer.before_remove = staticmethod(b_writes_first)
+    a.record_remove("image", "t", "img-1", lambda raw: digest)
+    assert raced and b.blob_get("file", "t", "img-1", digest) == blob
+    b.record_remove("file", "t", "img-1", lambda raw: digest)
+    assert not [k for k in FakeStore.pool if ":blob" in k], FakeStore.pool

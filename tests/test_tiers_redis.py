@@ -21,6 +21,7 @@ from conftest import free_port, make_png
 from mmkv.engine import Engine
 from mmkv.errors import UnknownImageError, UnknownSkillError
 from mmkv.store.redis_tier import RedisTier, redacted_url
+from mmkv.store.shared_tier import SharedTierUnavailableError
 from mmkv.server.app import ServerSettings, create_app
 from test_server import LiveServer
 
@@ -212,9 +213,9 @@ def test_two_servers_over_http_and_redis_down_then_back(model_dir, tmp_path, red
         redis_server.start()
         time.sleep(1.1)  # the retry interval: the next call tries Redis again
         assert httpx.get(f"{b.base_url}/health").json()["status"] == "ok"
-        b.client("sk-1").chat.completions.create(model="m", messages=_inline(6), max_tokens=2)
+        b.client("sk-1").files.create(file=("c.png", make_png(50, 40, seed=6), "image/png"), purpose="vision")
         engine_b.tiers.flush()
-        assert redis.Redis.from_url(url).keys("mmkv:*:kv:*")  # written to the restarted Redis
+        assert redis.Redis.from_url(url).keys("mmkv:*:kv:*")  # an upload's KV is written to the restarted Redis
         assert b.metrics()["mmkv:redis_up"] == 1
     finally:
         a.close()
@@ -246,15 +247,17 @@ def test_credentials_work_and_are_never_logged(model_dir, caplog):
 
 
 def test_redis_down_at_start_up_then_back(model_dir, tmp_path):
-    """A server whose Redis is down when it starts still starts and answers; the tenant secret
-    comes from its disk; once Redis answers it is used without a restart."""
+    """An engine whose Redis is down when it starts still starts and answers (degraded); the
+    tenant secret is not made up meanwhile (a server refuses to start without it: see
+    test_tiers_shared_store); once Redis answers it is used without a restart."""
     server = RedisServer()
     url = server.url()
     server.stop()
     try:
-        first = Engine.from_pretrained(model_dir, store_dir=tmp_path / "first", redis_url=url)
-        secret = first.tiers.tenant_secret()
-        assert first.tiers.tenant_secret() == secret and len(secret) == 32  # kept on disk
+        first = Engine.from_pretrained(model_dir, store_dir=tmp_path / "first", redis_url=url,
+                                       store_options={"shared_start_wait_s": 0})
+        with pytest.raises(SharedTierUnavailableError):
+            first.tiers.tenant_secret()
         image_id = first.add_image(make_png(64, 48))
         assert first.generate(ask(image_id), max_new_tokens=1).vision_tower_runs == 0
         assert first.stats()["redis_errors"] >= 1 and first.stats()["redis_up"] == 0
@@ -264,8 +267,10 @@ def test_redis_down_at_start_up_then_back(model_dir, tmp_path):
         first.tiers.flush()
         stats = first.stats()
         assert stats["redis_up"] == 1 and stats["redis_writes"] == 1
-        # the disk's secret went to Redis: keys stay the same tenants, here and on every other server
-        assert first.tiers.tenant_secret() == secret == redis.Redis.from_url(url).get("mmkv:tenant-secret")
+        # the first secret offered went to Redis and to the disk: keys are the same tenants everywhere
+        secret = first.tiers.tenant_secret()
+        assert len(secret) == 32 and secret == redis.Redis.from_url(url).get("mmkv:tenant-secret")
+        assert (tmp_path / "first" / "tenant_secret").read_bytes() == secret
         other = Engine.from_pretrained(model_dir, store_dir=tmp_path / "other", redis_url=url)
         assert other.tiers.tenant_secret() == secret
     finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import threading
+import tracemalloc
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ import torch
 import mmkv.store.tiers
 from conftest import make_png
 from mmkv.engine import Engine
-from mmkv.store.tier_writer import TierWriter, Write
+from mmkv.store.chunk_codec import encoded_nbytes
+from mmkv.store.tier_writer import TierWriter
 
 QUESTION = "What colour is the rectangle?"
 
@@ -49,8 +51,8 @@ class Gate:
         self.execute(key, write)
 
 
-def sized(nbytes: int) -> Write:
-    return Write(nbytes, lambda: None)
+def nothing():
+    return lambda: None
 
 
 def test_answer_does_not_wait_and_the_write_lands(model_dir, tmp_path):
@@ -89,33 +91,69 @@ def test_failing_write_never_fails_the_request(model_dir, tmp_path, monkeypatch)
 
 
 def test_queue_bound_drops_and_counts_never_blocks():
+    """Review finding 16: the write in flight counts against the bound until it is done."""
     writer = TierWriter(bound_bytes=100)
     gate = Gate(writer)
-    assert writer.submit("a", sized(60))
-    assert gate.started.wait(10)  # "a" is in flight: it no longer counts against the bound
-    accepted = [writer.submit(k, sized(40)) for k in "bcd"]  # b, c fit (80); d would make 120
-    assert accepted == [True, True, False] and writer.dropped == 1 and writer.pending_bytes == 80
-    assert not writer.submit("e", sized(101))  # larger than the bound: never fits
-    assert writer.submit("b", sized(40))  # already queued: not twice
+    assert writer.submit("a", 60, nothing)
+    assert gate.started.wait(10)  # "a" is in flight: it still holds its 60 bytes
+    accepted = [writer.submit(k, 20, nothing) for k in "bcd"]  # b, c fit (100); d would make 120
+    assert accepted == [True, True, False] and writer.dropped == 1 and writer.held_bytes == 100
+    assert not writer.submit("e", 101, nothing)  # larger than the bound: never fits
+    assert writer.submit("b", 20, nothing)  # already queued: not twice
     gate.open.set()
     assert writer.flush(30)
     assert gate.keys == ["a", "b", "c"] and writer.written == 3 and writer.dropped == 2
-    assert writer.peak_bytes <= 100 and writer.pending_bytes == 0
+    assert writer.peak_bytes == 100 and writer.held_bytes == 0
     writer.close()
-    assert not writer.submit("f", sized(1)) and writer.dropped == 3  # closed: refused, counted
+    assert not writer.submit("f", 1, nothing) and writer.dropped == 3  # closed: refused, counted
+
+
+def test_a_write_that_does_not_fit_is_never_prepared():
+    """Review finding 16: the host copy of device KV is made only for a write that fits."""
+    writer = TierWriter(bound_bytes=10)
+    prepared = []
+    assert not writer.submit("a", 11, lambda: prepared.append("a") or (lambda: None))
+    assert writer.submit("b", 10, lambda: prepared.append("b") or (lambda: None))
+    assert writer.flush(30) and prepared == ["b"]
+
+
+def test_a_chunk_write_is_counted_at_the_most_it_holds(tmp_path):
+    """Review finding 16: a chunk's write was counted at its KV bytes while queued and at nothing
+    in flight, though while it is written it holds the KV and its encoded copy. Measured: what the
+    writer counts for it covers the KV's tensors plus every byte the write allocates (tracemalloc)."""
+    from test_tiers_integrity import image_chunk
+
+    tiers = mmkv.store.tiers.Tiers.open(mmkv.store.tiers.StoreConfig(tmp_path), "ab" * 32, 2, torch.float32,
+                                        torch.device("cpu"))
+    chunk = image_chunk(pads=4096)
+    gate = Gate(tiers.writer)
+    try:
+        tiers.store("c" * 64, chunk)
+        assert gate.started.wait(10)
+        held = tiers.writer.held_bytes
+        tracemalloc.start()
+        gate.open.set()
+        assert tiers.flush(30)
+        allocated = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert tiers.stats()["disk_writes"] == 1
+        assert held >= encoded_nbytes(chunk) + allocated, (held, encoded_nbytes(chunk), allocated)
+        assert held <= 2 * encoded_nbytes(chunk) + (128 << 10)  # and not much more: the bound stays useful
+    finally:
+        tiers.close()
 
 
 def test_cancel_takes_back_a_queued_write_and_waits_for_one_in_flight():
     writer = TierWriter(bound_bytes=1000)
     gate = Gate(writer)
-    writer.submit("a", sized(10))
+    writer.submit("a", 10, nothing)
     assert gate.started.wait(10)
-    writer.submit("b", sized(10))
+    writer.submit("b", 10, nothing)
     writer.cancel("b")  # queued: taken back, never written
     threading.Timer(0.2, gate.open.set).start()
     writer.cancel("a")  # in flight: returns only once it is written
     assert gate.keys == ["a"]
-    assert writer.flush(30) and gate.keys == ["a"] and writer.pending_bytes == 0
+    assert writer.flush(30) and gate.keys == ["a"] and writer.held_bytes == 0
 
 
 def test_delete_while_queued_leaves_nothing(model_dir, tmp_path):

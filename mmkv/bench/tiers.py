@@ -86,8 +86,8 @@ def run(model_dir: str | None, size: int, repeats: int, redis_url: str | None,
 
             store = tiers.store
 
-            def store_in_line(key, chunk) -> None:  # the write before the first token, as it was
-                store(key, chunk)
+            def store_in_line(key, chunk, shared=True) -> None:  # the write before the first token, as it was
+                store(key, chunk, shared)
                 tiers.flush()
 
             rows = [t for t in ("ram", "disk", shared, "recompute", "recompute+write", "full")

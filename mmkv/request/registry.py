@@ -149,7 +149,7 @@ class Registries:
 
     def add_image(self, prepared: PreparedImage, tenant: str) -> str:
         image_id, reg = self.register(prepared, tenant, uploaded=True)
-        self.image_chunk(reg, tenant)
+        self.image_chunk(reg, tenant, publish=True)  # KV first computed for an inline use goes to the shared tier now
         reg.pixel_values = None  # also when its KV was already cached: the source remakes it on a miss
         self._persist_image(image_id, reg, tenant)
         return image_id
@@ -160,14 +160,27 @@ class Registries:
                          reg.source_bytes)
 
     def remove_image(self, image_id: str, tenant: str) -> None:
-        self._purge_image(image_id, self.lookup_image(image_id, tenant), tenant)
+        self._purge_image(image_id, self.lookup_image(image_id, tenant), tenant, everywhere=True)
 
-    def _purge_image(self, image_id: str, reg: RegisteredImage, tenant: str) -> None:
+    def _purge_image(self, image_id: str, reg: RegisteredImage, tenant: str, everywhere: bool) -> None:
+        durable = self.durable_key("image", image_source_digest(reg.source), tenant)
+        self._forget_durable("image", image_id, durable, tenant, everywhere)
         self.cache.purge(self.image_key(reg, tenant))
         self._unregister((tenant, image_id))
-        if self.tiers is not None:
-            self.tiers.purge(self.durable_key("image", image_source_digest(reg.source), tenant))
-            self.tiers.registry.remove("image", tenant, image_id)
+
+    def _forget_durable(self, kind: str, id_: str, durable: str, tenant: str, everywhere: bool) -> None:
+        """Drop an image's or skill's KV and record from the lower tiers before anything here: with
+        `everywhere` (a delete) from the shared tier first, so a shared tier that does not take it
+        raises SharedTierUnavailableError and this server still holds (and serves) what it had;
+        else (deleted on another server, which left the tombstone) from this server's tiers only."""
+        if self.tiers is None:
+            return
+        if everywhere:
+            self.tiers.purge(durable)
+            self.tiers.registry.remove(kind, tenant, id_)
+        else:
+            self.tiers.purge_local(durable)
+            self.tiers.registry.drop_local(kind, tenant, id_)
 
     def register(self, image: PreparedImage, tenant: str, uploaded: bool) -> tuple[str, RegisteredImage]:
         image_id = image_id_for(image.content_hash)
@@ -194,20 +207,21 @@ class Registries:
         on another server is purged here too and is unknown."""
         held, purge, unknown = ((self.images, self._purge_image, UnknownImageError) if kind == "image"
                                 else (self.skills, self._purge_skill, UnknownSkillError))
-        entry = held.get((tenant, id_)) or self._fetch(kind, id_, tenant)
+        entry = held.get((tenant, id_)) or self._fetch(kind, id_, tenant, param)
         if entry is not None and self.tiers is not None and self.tiers.registry.gone(kind, tenant, id_):
-            purge(id_, entry, tenant)  # deleted on another server
+            purge(id_, entry, tenant, everywhere=False)  # deleted on another server
             entry = None
         if entry is None:
             raise unknown(f"no {kind} with id {id_!r}", param=param)
         return entry
 
-    def _fetch(self, kind: str, id_: str, tenant: str) -> RegisteredImage | Skill | None:
-        """An upload or skill this engine does not hold but the durable tiers do (another server's)."""
+    def _fetch(self, kind: str, id_: str, tenant: str, param: str | None = None) -> RegisteredImage | Skill | None:
+        """An upload or skill this engine does not hold but the durable tiers do (another server's);
+        ImageStoreFullError when the image store has no room for it."""
         rec = self.tiers.registry.get(kind, tenant, id_) if self.tiers is not None else None
         if rec is None:
             return None
-        return self._adopt_image(rec) if kind == "image" else self._adopt_skill(rec)
+        return self._adopt_image(rec, param) if kind == "image" else self._adopt_skill(rec)
 
     def image_key(self, reg: RegisteredImage, tenant: str) -> str:
         return chunk_cache_key("image", reg.content_hash, self.fingerprint, self.grid_settings,
@@ -226,32 +240,38 @@ class Registries:
         return features
 
     def _cached_chunk(self, key: str, kind: str, precompile: Callable[[], CachedChunk],
-                      durable: Callable[[], str] | None = None) -> CachedChunk:
+                      durable: Callable[[], str] | None = None, shared: bool = True,
+                      publish: bool = False) -> CachedChunk:
         """The chunk under `key`; on a RAM miss the lower tiers are asked (under the durable key
         `durable()` gives: mmkv/store/tiers.py), and only then `precompile()` builds it (counted, stored,
-        written through to the tiers)."""
+        written through to the disk and, when `shared`, the shared tier). `publish`: write it
+        through even when it was found (an image uploaded after an inline use, a skill added again)."""
         entry = self.cache.get(key, kind)
-        stored = durable() if entry is None and self.tiers is not None and durable is not None else None
-        if stored is not None:
+        want_tiers = self.tiers is not None and durable is not None and (entry is None or publish)
+        stored = durable() if want_tiers else None
+        if entry is None and stored is not None:
             loaded = self.tiers.load(stored, key, kind)
             if loaded is not None:
                 entry = loaded[0]
                 self.cache.put(entry)
-        if entry is None:
+        fresh = entry is None
+        if fresh:
             entry = precompile()
-            if stored is not None:
-                self.tiers.store(stored, entry)
             self.precompiled_tokens += self.anchor_ids.numel() + entry.num_tokens
             self.fresh.add(key)
             self.cache.put(entry)
+        if stored is not None and (fresh or publish):
+            self.tiers.store(stored, entry, shared=shared)
         return entry
 
-    def image_chunk(self, reg: RegisteredImage, tenant: str) -> CachedChunk:
-        """The image's cached KV, precompiled (vision tower + isolated LM prefill) on a miss."""
+    def image_chunk(self, reg: RegisteredImage, tenant: str, publish: bool = False) -> CachedChunk:
+        """The image's cached KV, precompiled (vision tower + isolated LM prefill) on a miss. Only an
+        uploaded image's KV goes to the shared tier: an inline one's stays on this server."""
         key = self.image_key(reg, tenant)
         return self._cached_chunk(key, "image", lambda: precompile_image(
             self.adapter, self.encode(reg), reg.grid_thw, key, self.anchor_ids),
-            durable=lambda: self.durable_key("image", image_source_digest(reg.source), tenant))
+            durable=lambda: self.durable_key("image", image_source_digest(reg.source), tenant),
+            shared=reg.uploaded, publish=publish)
 
     # ---- skills ----------------------------------------------------------------------------------
     def add_skill(self, name: str, text: str, tenant: str) -> str:
@@ -264,7 +284,7 @@ class Registries:
         if (tenant, skill_id) not in self.skills:
             info = SkillInfo(skill_id, name, token_ids.numel(), int(time.time()))
             self.skills[(tenant, skill_id)] = Skill(info, token_ids)
-        self.skill_chunk(self.skills[(tenant, skill_id)], tenant)
+        self.skill_chunk(self.skills[(tenant, skill_id)], tenant, publish=True)
         if self.tiers is not None:
             info = self.skills[(tenant, skill_id)].info
             self.tiers.registry.put("skill", tenant, skill_id,
@@ -279,14 +299,13 @@ class Registries:
         return [s.info for (t, _), s in self.skills.items() if t == tenant]
 
     def remove_skill(self, skill_id: str, tenant: str) -> None:
-        self._purge_skill(skill_id, self.skill(skill_id, tenant), tenant)
+        self._purge_skill(skill_id, self.skill(skill_id, tenant), tenant, everywhere=True)
 
-    def _purge_skill(self, skill_id: str, skill: Skill, tenant: str) -> None:
+    def _purge_skill(self, skill_id: str, skill: Skill, tenant: str, everywhere: bool) -> None:
+        durable = self.durable_key("skill", content_digest(skill.token_ids.numpy().tobytes()), tenant)
+        self._forget_durable("skill", skill_id, durable, tenant, everywhere)
         self.cache.purge(self._skill_key(skill, tenant))
         del self.skills[(tenant, skill_id)]
-        if self.tiers is not None:
-            self.tiers.purge(self.durable_key("skill", content_digest(skill.token_ids.numpy().tobytes()), tenant))
-            self.tiers.registry.remove("skill", tenant, skill_id)
 
     def skill(self, skill_id: str, tenant: str, param: str | None = None) -> Skill:
         return self._lookup("skill", skill_id, tenant, param)
@@ -294,11 +313,12 @@ class Registries:
     def _skill_key(self, skill: Skill, tenant: str) -> str:
         return chunk_cache_key("skill", skill.info.skill_id, self.fingerprint, "", self.settings.anchor, tenant)
 
-    def skill_chunk(self, skill: Skill, tenant: str) -> CachedChunk:
+    def skill_chunk(self, skill: Skill, tenant: str, publish: bool = False) -> CachedChunk:
         key = self._skill_key(skill, tenant)
         return self._cached_chunk(key, "skill", lambda: precompile_chunk(
             self.adapter, "skill", skill.token_ids, key, self.anchor_ids),
-            durable=lambda: self.durable_key("skill", content_digest(skill.token_ids.numpy().tobytes()), tenant))
+            durable=lambda: self.durable_key("skill", content_digest(skill.token_ids.numpy().tobytes()), tenant),
+            publish=publish)
 
     def _tokenize(self, text: str) -> torch.Tensor:
         """A skill's text is text: a special token's string in it is tokenized as plain text, as in
@@ -319,13 +339,17 @@ class Registries:
             return
         registry = self.tiers.registry
         for rec in registry.local("image"):
-            reg = self._adopt_image(rec)
-            if reg is not None and registry.gone("image", rec.tenant, rec.id):  # deleted on another server
-                self._purge_image(rec.id, reg, rec.tenant)
+            try:
+                reg = self._adopt_image(rec)
+            except ImageStoreFullError:
+                log.warning("image store full: stored upload %s not restored (it stays on disk)", rec.id)
+                continue
+            if registry.gone("image", rec.tenant, rec.id):  # deleted on another server
+                self._purge_image(rec.id, reg, rec.tenant, everywhere=False)
         for rec in registry.local("skill"):
             skill = self._adopt_skill(rec)
             if registry.gone("skill", rec.tenant, rec.id):
-                self._purge_skill(rec.id, skill, rec.tenant)
+                self._purge_skill(rec.id, skill, rec.tenant, everywhere=False)
 
     def _persist_image(self, image_id: str, reg: RegisteredImage, tenant: str) -> None:
         if self.tiers is None:
@@ -336,13 +360,15 @@ class Registries:
                 "rgb": None if isinstance(src, bytes) else [src.width, src.height]}
         self.tiers.registry.put("image", tenant, image_id, meta, src if isinstance(src, bytes) else src.tobytes())
 
-    def _adopt_image(self, rec) -> RegisteredImage | None:
-        """A stored upload registered again (None when the image store has no room left)."""
+    def _adopt_image(self, rec, param: str | None = None) -> RegisteredImage:
+        """A stored upload registered again; ImageStoreFullError when the image store has no room
+        for it (the upload exists: a full store is not an unknown image)."""
         m = rec.meta
-        source = rec.blob if m["rgb"] is None else Image.frombytes("RGB", tuple(m["rgb"]), rec.blob)
         if self.store_bytes + len(rec.blob) > self.settings.image_store_bytes:
-            log.warning("image store full: stored upload %s not restored", rec.id)
-            return None
+            raise ImageStoreFullError(
+                f"the image store holds {self.store_bytes} of {self.settings.image_store_bytes} bytes; the stored "
+                f"upload {rec.id} needs {len(rec.blob)} more: delete images first", param=param)
+        source = rec.blob if m["rgb"] is None else Image.frombytes("RGB", tuple(m["rgb"]), rec.blob)
         reg = RegisteredImage(content_hash=m["content_hash"], width=m["width"], height=m["height"],
                               source_bytes=m["source_bytes"], source=source, source_nbytes=len(rec.blob),
                               grid_thw=tuple(m["grid_thw"]), pixel_values=None, uploaded=True)

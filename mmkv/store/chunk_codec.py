@@ -1,6 +1,7 @@
 """A cached chunk as bytes, for the disk and shared tiers: safetensors whose header carries the
 full durable key, the model fingerprint, the tensors' dtype and a SHA-256 checksum of every
-tensor. `decode_chunk` trusts nothing: a truncated, corrupted, swapped (another key) or foreign
+tensor and every other header field the planner reads (kind, layer count, image grid, deepstack
+count). `decode_chunk` trusts nothing: a truncated, corrupted, swapped (another key) or foreign
 (another model or dtype) entry raises CorruptEntryError, and the caller drops it and recomputes.
 """
 
@@ -17,24 +18,26 @@ from safetensors.torch import save as st_save
 from mmkv.adapters import ImageFeatures
 from mmkv.kv.chunks import CachedChunk
 
-FORMAT = "mmkv-chunk-1"
+FORMAT = "mmkv-chunk-2"
 
 
 class CorruptEntryError(Exception):
     """A stored entry that must not be used: unreadable, tampered with, or made for another key or model."""
 
 
-def _checksum(tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
+def _checksum(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of every header field but the checksum itself, then of every tensor (name, dtype,
+    shape, bytes; hashed in place, no copy)."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode())
     for name in sorted(tensors):
         t = tensors[name]
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(f"|{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
     return h.hexdigest()
 
 
-def encode_chunk(chunk: CachedChunk, key: str, fingerprint: str) -> bytes:
-    """Safetensors bytes of `chunk` (tensors moved to the CPU) under durable `key`."""
+def chunk_tensors(chunk: CachedChunk) -> dict[str, torch.Tensor]:
+    """Every tensor an encoded chunk holds, by its name in the file (on the chunk's device)."""
     tensors = {"token_ids": chunk.token_ids, "position_ids": chunk.position_ids}
     for i, (k, v) in enumerate(zip(chunk.keys, chunk.values)):
         tensors[f"k.{i}"], tensors[f"v.{i}"] = k, v
@@ -42,11 +45,22 @@ def encode_chunk(chunk: CachedChunk, key: str, fingerprint: str) -> bytes:
         tensors["embeds"] = chunk.features.embeds
         for i, d in enumerate(chunk.features.deepstack):
             tensors[f"deepstack.{i}"] = d
-    tensors = {n: t.detach().contiguous().cpu() for n, t in tensors.items()}
+    return tensors
+
+
+def encoded_nbytes(chunk: CachedChunk) -> int:
+    """The tensor bytes of `chunk`'s encoding (its header adds a few hundred bytes)."""
+    return sum(t.numel() * t.element_size() for t in chunk_tensors(chunk).values())
+
+
+def encode_chunk(chunk: CachedChunk, key: str, fingerprint: str) -> bytes:
+    """Safetensors bytes of `chunk` (tensors moved to the CPU) under durable `key`."""
+    tensors = {n: t.detach().contiguous().cpu() for n, t in chunk_tensors(chunk).items()}
     meta = {"format": FORMAT, "key": key, "fingerprint": fingerprint, "kind": chunk.kind,
             "layers": str(len(chunk.keys)), "deepstack": str(len(chunk.features.deepstack) if chunk.features else 0),
             "grid_thw": json.dumps(list(chunk.grid_thw) if chunk.grid_thw else None),
-            "dtype": str(chunk.keys[0].dtype), "checksum": _checksum(tensors)}
+            "dtype": str(chunk.keys[0].dtype)}
+    meta["checksum"] = _checksum(meta, tensors)
     return st_save(tensors, metadata=meta)
 
 
@@ -75,7 +89,7 @@ def decode_chunk(data: bytes, key: str, fingerprint: str, ram_key: str, kind: st
         tensors = st_load(data)
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for every bad byte
         raise CorruptEntryError(f"unreadable tensors: {exc}") from None
-    if _checksum(tensors) != meta.get("checksum"):
+    if _checksum(meta, tensors) != meta.get("checksum"):
         raise CorruptEntryError("checksum mismatch")
     try:
         t = {n: x.to(device) for n, x in tensors.items()}

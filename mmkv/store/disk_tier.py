@@ -60,12 +60,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that no reader, and no restart after a crash, sees half of it."""
+def atomic_write(path: Path, data: bytes, mode: int = 0o666) -> None:
+    """Write `data` to `path` so that no reader, and no restart after a crash, sees half of it.
+    The file is created with `mode` (less the umask) from its first byte: a secret written with
+    0o600 is never readable by others, not even for a moment."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{TMP_SUFFIX}")
     try:
-        with open(tmp, "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -171,7 +171,7 @@ class DurableRegistry:
             return None
         blob = None
         if body["blob"]:
-            blob = s.blob_get(body["blob"])
+            blob = s.blob_get(kind, tenant, id_, body["blob"])
             if blob is None or content_digest(blob) != body["blob"]:
                 if blob is not None:
                     self.corrupt += 1
@@ -179,7 +179,16 @@ class DurableRegistry:
         return Record(kind, tenant, id_, body["meta"], blob)
 
     def remove(self, kind: str, tenant: str, id_: str) -> None:
-        """Drop the record everywhere, and its blob where no other record names it."""
+        """Drop the record everywhere, and its blob where no other record names it: the shared tier
+        first (a tombstone, so every server drops its copy), and only once it answered the disk, so
+        a delete the shared tier did not take (SharedTierUnavailableError) changes nothing here
+        and cannot be undone by a later read from it."""
+        if self.shared is not None:
+            self.shared.record_remove(kind, tenant, id_, lambda raw: (_unseal(raw) or {}).get("blob"))
+        self.drop_local(kind, tenant, id_)
+
+    def drop_local(self, kind: str, tenant: str, id_: str) -> None:
+        """Drop the disk's copy of a record (one deleted on another server: the shared tier has its tombstone)."""
         with self._lock:
             if self.root is not None:
                 path = self._record_path(kind, tenant, id_)
@@ -194,8 +203,6 @@ class DurableRegistry:
                     if not users:
                         del self._refs[digest]
                         self._blob_path(digest).unlink(missing_ok=True)
-        if self.shared is not None:
-            self.shared.record_remove(kind, tenant, id_, lambda raw: (_unseal(raw) or {}).get("blob"))
 
     def gone(self, kind: str, tenant: str, id_: str) -> bool:
         """True when the shared tier says this record was deleted, on any server (False without it,

@@ -4,7 +4,8 @@ disk and shared tiers.
 In-RAM keys may stay xxh3-128 (fast, and an entry never outlives the process that made it), but
 anything persisted or shared is keyed by SHA-256: a shared store is where a crafted collision
 would hand one user's KV to another. The fingerprint covers everything that changes a chunk's
-KV or the tokens it stands for: config and dtype, the weights (the safetensors index and every
+KV or the tokens it stands for: the config's semantic fields (never the path it was loaded from),
+the dtype, the transformers and torch versions, the weights (the safetensors index and every
 weight file's content, hashed once at load, streaming), the tokenizer, the chat template and
 the processor's configuration.
 
@@ -23,6 +24,7 @@ import os
 from pathlib import Path
 
 import torch
+import transformers
 
 from mmkv.store.disk_tier import atomic_write
 
@@ -101,14 +103,31 @@ def _weights_in_memory(model: torch.nn.Module) -> list[tuple[str, str]]:
     return out
 
 
+def _semantic(node):
+    """A config dict without what says where or by what it was saved rather than what it computes:
+    private load state (`_name_or_path`, `_commit_hash`, `_attn_implementation_autoset`, ...) and
+    the writer's `transformers_version`, at every depth (sub-configs carry them too)."""
+    if isinstance(node, dict):
+        return {k: _semantic(v) for k, v in node.items() if not str(k).startswith("_") and k != "transformers_version"}
+    if isinstance(node, (list, tuple)):
+        return [_semantic(v) for v in node]
+    return node
+
+
+def semantic_config(adapter) -> str:
+    """The config's semantic fields, the runtime dtype and the library versions that compute the KV."""
+    config = json.dumps(_semantic(adapter.config.to_dict()), sort_keys=True, default=str)
+    return f"{config}|{adapter.dtype}|transformers {transformers.__version__}|torch {torch.__version__}"
+
+
 def model_fingerprint(adapter, model_dir: str | Path | None = None, digest_cache: Path | None = None) -> str:
-    """SHA-256 over config and dtype, weights, tokenizer, chat template and processor config.
+    """SHA-256 over the config's semantic fields, dtype and library versions (semantic_config), weights, tokenizer, chat template and processor config.
     Weights come from `model_dir` (default: the directory the checkpoint was loaded from) when it
     holds weight files, else from the model's tensors in memory. Tokenizer, template and
     processor come from the live objects, so settings changed after loading count too. Weight
     file digests are kept in `digest_cache` (a JSON file; None: every file is read)."""
-    h = hashlib.sha256(b"mmkv-fingerprint-v1\x1f")
-    h.update(adapter.fingerprint_source().encode())
+    h = hashlib.sha256(b"mmkv-fingerprint-v2\x1f")
+    h.update(semantic_config(adapter).encode())
     where = Path(model_dir or adapter.config.name_or_path or "")
     weights = _weights_from_files(where, DigestCache(digest_cache)) if str(where) and where.is_dir() else None
     for name, digest in weights or _weights_in_memory(adapter.model):

@@ -9,8 +9,11 @@ values through a `buffer_bytes` transfer buffer (the largest value it can put or
 Mooncake is a cache: it may evict any key under memory pressure, and a client's segment leaves
 the pool with the client, so records live on each server's disk tier as well.
 
-Differences from Redis, each a limit of the store: a value over `buffer_bytes` is not shared
-(counted in `oversize`); a tenant's id listing is a read-modify-write of one value, so two
+Differences from Redis, each a limit of the store: cached KV has no time to live (Mooncake
+evicts by its own policy); a value over `buffer_bytes` is not shared (counted in `oversize`);
+with no atomic multi-key operation to count a shared blob's references, every record keeps its
+own copy of its blob (`...:blob:<sha256>:<kind>:<tenant>:<id>`), written before the record and
+deleted after it, so a delete never takes bytes another record still names; a tenant's id listing is a read-modify-write of one value, so two
 servers adding records to one tenant at the same instant can drop one id from the listing (the
 record itself stays readable by id); a call in the seconds between the master's death and the
 client's heartbeat noticing it can take the library's own RPC timeout (about 4 s) before the tier
@@ -134,6 +137,33 @@ class MooncakeTier(SharedTier):
 
     def _set(self, key: str, value: bytes) -> None:
         self._ok(self._client().upsert(key, value), "upsert")
+
+    def _set_cache(self, key: str, value: bytes) -> None:
+        self._set(key, value)
+
+    def _get_cache(self, key: str) -> bytes | None:
+        return self._get(key)
+
+    def _renew_cache(self, key: str) -> bool:
+        return self._exists(key)
+
+    def _blob_key(self, kind: str, tenant: str, id_: str, digest: str) -> str:
+        return self.key("blob", digest, kind, tenant, id_)  # one copy per record: no shared count to race on
+
+    def _record_write(self, kind: str, tenant: str, id_: str, sealed: bytes, digest: str | None,
+                      blob: bytes | None) -> None:
+        if digest is not None:
+            self._set(self._blob_key(kind, tenant, id_, digest), blob)
+        self._set(self.key("rec", kind, tenant, id_), sealed)
+        self._index_add(self.key("ids", kind, tenant), id_)
+        self._delete(self.key("gone", kind, tenant, id_))
+
+    def _record_delete(self, kind: str, tenant: str, id_: str, digest: str | None) -> None:
+        self._set(self.key("gone", kind, tenant, id_), b"1")
+        self._delete(self.key("rec", kind, tenant, id_))
+        self._index_remove(self.key("ids", kind, tenant), id_)
+        if digest is not None:
+            self._delete(self._blob_key(kind, tenant, id_, digest))
 
     def _set_if_absent(self, key: str, value: bytes) -> None:
         # put leaves an existing key as it is (its code for that differs between versions, so it is

@@ -3,8 +3,14 @@ for the engine.
 
 `load` is asked only after a RAM miss: the disk tier first, then the shared tier (a shared hit is
 also written to disk). `store` queues a freshly precompiled chunk for the background writer
-(mmkv/store/tier_writer.py), which writes it through to every tier off the request path (a shared hit's
-copy to disk goes the same way); `flush` waits for them. `purge` removes a chunk from every tier (a queued write of it is taken back first). Every stored entry is checked on load (chunk_codec): a bad one
+(mmkv/store/tier_writer.py), which writes it through to the disk and, for an uploaded image or a
+skill (never an inline image: the shared store holds what was registered, not every picture a
+request carried), to the shared tier, off the request path (a shared hit's copy to disk goes the
+same way); `flush` waits for them. A queued chunk is counted at its KV plus its encoded copy and
+held in host memory (device KV is copied when the write is accepted), so the queue never keeps
+device memory the RAM store has let go. `purge` removes a chunk from every tier (a queued write of
+it is taken back first; the shared tier first, and a shared tier that does not answer fails the
+purge: SharedTierUnavailableError); `purge_local` only from this server's tiers. Every stored entry is checked on load (chunk_codec): a bad one
 is deleted from its tier, counted as corrupt and treated as a miss, so the caller recomputes it
 from the stored image bytes or skill text; it is never spliced. A tier that fails (disk error,
 Redis down) is a miss too: a request never fails because a lower tier did.
@@ -18,31 +24,37 @@ take a lock.
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import functools
+import logging
 import os
 import secrets
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from mmkv.store.chunk_codec import CorruptEntryError, decode_chunk, encode_chunk
+from mmkv.adapters import ImageFeatures
 from mmkv.kv.chunks import CachedChunk
+from mmkv.store.chunk_codec import CorruptEntryError, decode_chunk, encode_chunk, encoded_nbytes
 from mmkv.store.disk_tier import DiskTier, atomic_write, lock_store_dir
 from mmkv.store.durable_registry import DurableRegistry
 from mmkv.store.mooncake_tier import MooncakeTier, load_store_class, split_address
 from mmkv.store.redis_tier import RedisTier
-from mmkv.store.shared_tier import SharedTier
-from mmkv.store.tier_writer import TierWriter, Write
+from mmkv.store.shared_tier import SharedTier, SharedTierUnavailableError
+from mmkv.store.tier_writer import TierWriter
 
 log = logging.getLogger("mmkv.store.tiers")
 MODEL_FILE = "MODEL"  # the fingerprint a store directory belongs to
 DIGEST_FILE = "weight_digests.json"  # mmkv/store/fingerprint.py's cache of weight-file digests
 AUTO = "auto"  # store_dir: default_store_dir(fingerprint)
+# What a chunk write holds beyond its KV and the encoded copy: the header, the hashing and the
+# write's own objects (measured with tracemalloc: about 40 KiB).
+WRITE_OVERHEAD_BYTES = 64 << 10
 
 
 def _cache_base() -> Path:
@@ -74,7 +86,9 @@ class StoreConfig:
     mooncake_metadata: str | None = None  # default http://<master host>:8080/metadata
     mooncake_segment_bytes: int = 1 << 30  # RAM this server lends to the Mooncake pool
     mooncake_buffer_bytes: int = 256 << 20  # the transfer buffer: the largest value shared
-    write_queue_bytes: int = 1 << 30  # chunk KV waiting for the background writer; beyond, writes drop
+    write_queue_bytes: int = 1 << 30  # chunk KV (and its encoding) held by the background writer; beyond, writes drop
+    shared_kv_ttl_s: float = 7 * 86400  # Redis: chunk KV unused this long expires (records never do)
+    shared_start_wait_s: float = 10.0  # how long a server waits for the shared store's tenant secret at start-up
 
     def __post_init__(self):
         if self.store_bytes < 0 or self.write_queue_bytes < 0:
@@ -94,7 +108,7 @@ class StoreConfig:
 
     def shared_tier(self, namespace: str) -> SharedTier | None:
         if self.redis_url is not None:
-            return RedisTier(self.redis_url, namespace, self.redis_timeout_s, self.redis_retry_s)
+            return RedisTier(self.redis_url, namespace, self.redis_timeout_s, self.redis_retry_s, self.shared_kv_ttl_s)
         if self.mooncake_master is not None:
             return MooncakeTier(self.mooncake_master, self.mooncake_metadata, namespace, self.redis_timeout_s,
                                 self.redis_retry_s, self.mooncake_segment_bytes, self.mooncake_buffer_bytes)
@@ -162,6 +176,8 @@ class Tiers:
                 disk = DiskTier(root, config.store_bytes)
             if shared is not None and not shared.check():
                 log.warning("%s at %s does not answer; starting degraded, retrying on use", shared.name, shared.url)
+            elif shared is not None and (why := shared.eviction_warning()):
+                log.warning(why)
             return cls(config, fingerprint, layers, dtype, device, root, disk, shared, DurableRegistry(root, shared),
                        lock_fd)
         except BaseException:
@@ -197,30 +213,42 @@ class Tiers:
                 continue
             self._count(tier, hits=1, bytes_read=len(data), load_s=time.perf_counter() - t0)
             if tier != "disk" and self.disk is not None:  # kept on disk too, off the request path
-                self.writer.submit(key, Write(len(data), functools.partial(
-                    _write, self.disk, self.shared, self.counts, "disk", key, data)))
+                self.writer.submit(key, len(data), lambda: functools.partial(
+                    _write, self.disk, self.shared, self.counts, "disk", key, data))
             return chunk, tier
         return None
 
-    def store(self, key: str, chunk: CachedChunk) -> None:
-        """Queue a freshly computed chunk for the background writer (never blocks; a full queue
-        drops the write and counts it)."""
-        self.writer.submit(key, Write(chunk.nbytes, functools.partial(
-            _write_through, self.disk, self.shared, self.fingerprint, self.counts, key, chunk)))
+    def store(self, key: str, chunk: CachedChunk, shared: bool = True) -> None:
+        """Queue `chunk` for the background writer (never blocks; a full queue drops the write and
+        counts it): to the disk unless it holds it, and when `shared` to the shared tier unless it
+        holds it. Counted at the KV plus its encoded copy, both alive while it is written."""
+        disk, shared_tier = self.disk, (self.shared if shared else None)
+        self.writer.submit(key, 2 * encoded_nbytes(chunk) + WRITE_OVERHEAD_BYTES, lambda: functools.partial(
+            _write_through, disk, shared_tier, self.fingerprint, self.counts, key, *_host_copy(chunk)))
 
     def purge(self, key: str) -> None:
+        """Drop a chunk from every tier: the shared tier first (SharedTierUnavailableError, and the
+        disk keeps it, when it does not answer)."""
         self.writer.cancel(key)  # a queued write must not bring it back after the delete
-        for tier in self._tiers():
-            self._delete(tier, key)
+        if self.shared is not None:
+            self.shared.kv_delete(key)
+        self.purge_local(key)
+
+    def purge_local(self, key: str) -> None:
+        """Drop a chunk from this server's tiers (a queued write of it included)."""
+        self.writer.cancel(key)
+        if self.disk is not None:
+            self.disk.delete(key)
 
     def _read(self, tier: str, key: str) -> bytes | None:
         return self.disk.get(key) if tier == "disk" else self.shared.kv_get(key)
 
     def _delete(self, tier: str, key: str) -> None:
+        """Drop a bad entry (a shared tier that does not answer keeps it: it is checked again on load)."""
         if tier == "disk":
             self.disk.delete(key)
         else:
-            self.shared.kv_delete(key)
+            self.shared.kv_discard(key)
 
     def _count(self, tier: str, **deltas) -> None:
         self.counts.add(tier, **deltas)
@@ -228,19 +256,35 @@ class Tiers:
     # ---- state -----------------------------------------------------------------------------------
     def tenant_secret(self) -> bytes:
         """The secret API keys become tenants with, the same after a restart and on every server
-        sharing the store. The disk's (made once) is offered to the shared store; it keeps the first
-        one it was offered, and that one wins, so servers agree. While it does not answer, the disk's."""
+        sharing the store. Without a shared tier: the disk's (made once, mode 0600). With one: the
+        shared store's, and only it. The disk's is offered; the store keeps the first one it was
+        offered, so servers agree. A store that does not answer is asked again every retry_s for
+        `shared_start_wait_s`, warning each time; then SharedTierUnavailableError: a server that
+        derived tenants from any other secret would hide every upload made under it from the others."""
         path = self.root / "tenant_secret" if self.root is not None else None
         local = path.read_bytes() if path is not None and path.exists() else None
         secret = local or secrets.token_bytes(32)
-        shared = self.shared.tenant_secret(secret) if self.shared is not None else None
-        if shared is not None and local is not None and shared != local:
-            log.warning("this store's tenant secret differs from the shared one; API keys now map to the shared "
-                        "tenants, so uploads made here under the old secret are no longer visible to them")
-        secret = shared or secret
+        if self.shared is not None:
+            secret = self._shared_secret(secret)
+            if local is not None and secret != local:
+                log.warning("this store's tenant secret differs from the shared one; API keys now map to the shared "
+                            "tenants, so uploads made here under the old secret are no longer visible to them")
         if path is not None and secret != local:
-            atomic_write(path, secret)
-            path.chmod(0o600)
+            atomic_write(path, secret, mode=0o600)
+        return secret
+
+    def _shared_secret(self, proposal: bytes) -> bytes:
+        deadline = time.monotonic() + self.config.shared_start_wait_s
+        while (secret := self.shared.tenant_secret(proposal)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SharedTierUnavailableError(
+                    f"{self.shared.name} at {self.shared.url} did not answer within {self.config.shared_start_wait_s:g} s "
+                    f"at start-up: the tenant secret every server shares lives there, and a server with another one "
+                    f"would hide uploads from the rest; start {self.shared.name} (or fix the URL) and start again")
+            log.warning("%s at %s does not answer: waiting up to %.0f s more for the shared tenant secret",
+                        self.shared.name, self.shared.url, left)
+            time.sleep(min(self.shared.retry_s, left))
         return secret
 
     def stats(self) -> dict:
@@ -252,7 +296,7 @@ class Tiers:
         out["disk_entries"] = len(self.disk) if self.disk is not None else 0
         out["registry_corrupt"] = self.registry.corrupt
         w = self.writer
-        out.update(tier_write_queue_bytes=w.pending_bytes, tier_writes_dropped=w.dropped, tier_writes_failed=w.failed)
+        out.update(tier_write_queue_bytes=w.held_bytes, tier_writes_dropped=w.dropped, tier_writes_failed=w.failed)
         if self.shared is not None:
             out.update(self.shared.stats())
         return out
@@ -287,11 +331,37 @@ def _write(disk: DiskTier | None, shared: SharedTier | None, counts: TierCounts,
 
 
 def _write_through(disk: DiskTier | None, shared: SharedTier | None, fingerprint: str, counts: TierCounts,
-                   key: str, chunk: CachedChunk) -> None:
-    """The background writer's job: encode once (off the request path), write to every tier."""
-    data = encode_chunk(chunk, key, fingerprint)
-    for tier in _present(disk, shared):
+                   key: str, chunk: CachedChunk, copied: torch.cuda.Event | None) -> None:
+    """The background writer's job: encode once (off the request path), write to every tier that
+    does not hold it yet (a shared copy's time to live is renewed instead)."""
+    if copied is not None:
+        copied.synchronize()
+    missing = [t for t in _present(disk, shared) if not (key in disk if t == "disk" else shared.kv_renew(key))]
+    data = encode_chunk(chunk, key, fingerprint) if missing else b""
+    for tier in missing:
         _write(disk, shared, counts, tier, key, data)
+
+
+def _host_copy(chunk: CachedChunk) -> tuple[CachedChunk, torch.cuda.Event | None]:
+    """`chunk` in host memory, so a queued write holds no device memory, and the event its copy
+    is done at (None: nothing to wait for). CUDA KV is copied into pinned memory on the current
+    stream, so the request does not wait for it; the writer waits for the event."""
+    if chunk.keys[0].device.type == "cpu":
+        return chunk, None
+    with torch.cuda.device(chunk.keys[0].device):
+        host = _map_tensors(chunk, lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+            t, non_blocking=True))
+        copied = torch.cuda.Event()
+        copied.record()
+    return host, copied
+
+
+def _map_tensors(chunk: CachedChunk, f: Callable[[torch.Tensor], torch.Tensor]) -> CachedChunk:
+    features = chunk.features
+    if features is not None:
+        features = ImageFeatures(f(features.embeds), tuple(f(d) for d in features.deepstack))
+    return dataclasses.replace(chunk, token_ids=f(chunk.token_ids), position_ids=f(chunk.position_ids),
+                               keys=tuple(map(f, chunk.keys)), values=tuple(map(f, chunk.values)), features=features)
 
 
 def _finish(writer: TierWriter | None, shared: SharedTier | None, lock_fd: int | None) -> None:
