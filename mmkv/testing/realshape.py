@@ -31,7 +31,7 @@ import torch
 # tiny models already use it verbatim.
 from mmkv.testing.tiny import CHAT_TEMPLATE as QWEN2_VL_CHAT_TEMPLATE
 
-TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "samples" / "tokenizers" / "qwen"
+TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "samples" / "tokenizers" / "qwen"
 
 # Special-token ids of the released tokenizers (identical for Qwen2-VL, Qwen2.5-VL and Qwen3-VL).
 SPECIAL_IDS = {
