@@ -203,7 +203,7 @@ class Engine:
         limit = adapter.text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context or limit, limit)
         # place cached KV (edit detection, edit policies, prefix cache, splice): mmkv.request.place
-        self.placer = KVPlacer(adapter, self.cache, self.prefix, self.settings, self.planner.plan, self.max_context)
+        self.placer = KVPlacer(adapter, self.cache, self.prefix, self.settings, self.planner, self.max_context)
         # Disk and shared tiers under the RAM store (None: RAM only); their uploads and skills come back.
         self.tiers = Tiers.open(store, self.fingerprint, adapter.num_layers, adapter.dtype, adapter.device)
         # uploads, skills and their chunks' KV (RAM, the tiers, else precompiled): mmkv.request.registry
@@ -415,11 +415,12 @@ class Engine:
                 raise PromptTooLongError(
                     f"prompt of {input_ids.numel()} tokens plus max_tokens {max_new_tokens} exceeds the context "
                     f"of {self.max_context} tokens", param="messages")
-            report = None
+            report = insert = None
             if reuse:
                 plan = self.planner.plan(input_ids, [(s, self.registry.chunk_for(r, tenant)) for s, r in spans], policy)
-                prefill, plan, report = self.placer.prefill(plan, tenant, self._salt(tenant, seam, policy), seam,
-                                                            policy, edit, max_new_tokens)  # forward pending
+                placed = self.placer.prefill(plan, tenant, self._salt(tenant, seam, policy), seam, policy, edit,
+                                             max_new_tokens)  # forward pending
+                prefill, plan, report, insert = placed.prefill, placed.plan, placed.report, placed.insert
             else:
                 images = [r for r in resolved if isinstance(r, RegisteredImage)]
                 native = self.adapter.native_positions(input_ids, [r.grid_thw for r in images])
@@ -448,8 +449,7 @@ class Engine:
                 seam_tokens=seam, rope_policy=policy, reuse=reuse, prefix_tokens_reused=reused_kinds["prefix"],
                 skill_tokens_reused=reused_kinds["skill"], fidelity=fid, edit=report,
                 first_logits=None)  # set by Run.prefill
-            deferred, self.placer.deferred_insert = self.placer.deferred_insert, None
-            return Run(stream, prefill, report_fields, calls, tool_spec, on_text, self._run_under_lock(deferred))
+            return Run(stream, prefill, report_fields, calls, tool_spec, on_text, self._run_under_lock(insert))
 
     def _run_under_lock(self, fn: Callable[[], object] | None) -> Callable[[], None] | None:
         if fn is None:

@@ -1,7 +1,8 @@
 """Place cached KV: the stage between the plan and the forward. Edit detection against recent
 prompts, then the edit policy (mmkv.request.edits), then the exact reuse path: the longest cached prompt
 prefix and the splice of every cached chunk (mmkv.request.splice). Its prefix blocks are stored once the
-request's first token is out (`deferred_insert`, taken by the request's Run). The turn's final
+request's first token is out: `prefill` hands the insert back to its caller (the request's Run
+runs it), never through shared state, so a request that fails before its first token stores nothing. The turn's final
 forward is left pending in the result (`PrefillResult.advance`): the scheduler runs it, whole or a
 chunk at a time between decode steps (chunked prefill).
 
@@ -32,12 +33,15 @@ from mmkv.request.edits import (
     prefill_edited,
 )
 from mmkv.request.messages import erratum_line
+from mmkv.store.kv_store import PurgeWatch
 from mmkv.store.prefix_cache import ChunkSpan, block_keys
 from mmkv.kv.rerotate import constant_delta
 from mmkv.request.splice import PrefillResult, preallocate, prefill_spliced, splice_layout
 
 if TYPE_CHECKING:
-    from mmkv.request.plan import SplicePlan
+    from mmkv.request.plan import Planner, SplicePlan
+
+Insert = Callable[[], object]  # a prefix-cache insert, run once the request's first token is out
 
 log = logging.getLogger("mmkv.engine")
 RECENT_PROMPTS = 16  # per tenant and settings, for edit detection
@@ -62,6 +66,19 @@ class EditReport:
     reason: str = ""  # why the policy asked for did not apply (then `applied` is recompute)
     continued: bool = False  # in_place / selective@K, no change: the prompt continues this policy's earlier
     #                          turn and reuses its (approximate) KV
+
+
+@dataclass(frozen=True)
+class Placed:
+    """What `KVPlacer.prefill` hands back: the prefill (its final forward pending), the plan it
+    prefills (an erratum rewrites the prompt), the edit report, and the prefix-cache insert that the
+    request runs once its first token is out (None: nothing to store). The insert is returned, never
+    kept by the placer: a request that fails before its first token drops it and stores nothing."""
+
+    prefill: PrefillResult
+    plan: SplicePlan
+    report: EditReport | None
+    insert: Insert | None
 
 
 #: An added token that is markup (`<|im_start|>`, `<tool_call>`, `<think>`), special or not.
@@ -92,22 +109,23 @@ class KVPlacer:
     """Owns the recent prompts and the edit rules; `prefill` places a request's cached KV and
     runs its one forward (module docstring)."""
 
-    def __init__(self, adapter, store, prefix, settings, make_plan: Callable, max_context: int):
+    def __init__(self, adapter, store, prefix, settings, planner: Planner, max_context: int):
         self.adapter, self.store, self.prefix, self.settings = adapter, store, prefix, settings
-        self.make_plan = make_plan  # (input_ids, [(start, chunk)], policy) -> SplicePlan
+        self.planner = planner  # plans a rewritten prompt; tokenizes an erratum line as client text
         self.max_context = max_context
         self.recent = RecentPrompts(RECENT_PROMPTS, RECENT_KEYS, RECENT_BYTES)
         self.template_tokens = template_tokens_of(adapter.tokenizer)
         self.edit_rules = EditRules(max_tokens=settings.edit_max_tokens)
-        self.deferred_insert: Callable[[], object] | None = None  # set by a prefill, taken by its Run
 
     def prefill(self, plan: SplicePlan, tenant: str, salt: str, seam: int, policy: str, edit: EditPolicy,
-                max_new_tokens: int) -> tuple[PrefillResult, SplicePlan, EditReport | None]:
+                max_new_tokens: int) -> Placed:
         """Edit detection, then the edit policy, then prefix cache + splice. Returns the prefill
         (its final forward pending), the plan actually prefilled (the erratum policy rewrites the
-        prompt) and the edit report. A policy that cannot apply, or fails before that forward,
-        falls back to the exact path (recompute) and the report says why: a policy never turns an
-        answerable request into an error."""
+        prompt), the edit report and what to store once the first token is out (`Placed.insert`: the
+        prefix blocks and the recent prompt). A policy that cannot apply, or fails before that
+        forward, falls back to the exact path (recompute) and the report says why: a policy never
+        turns an answerable request into an error."""
+        watch = self.store.watch()  # a delete before the first token is out cancels what this request stores
         recent = self.recent.of((tenant, salt))
         approximate = edit.name in ("in_place", "selective")
         if approximate:  # and this policy's own earlier turns, oldest first
@@ -120,30 +138,49 @@ class KVPlacer:
                                 new_value=change.new_value, changed_tokens=change.new_len)
         elif edit.name != "recompute":
             report = EditReport(str(edit), False)
-        result = None
+        result = insert = remember = None
         chain = self._continued_chain(client, recent) if change is None and approximate else None
         if chain is not None:  # a later turn of a conversation this policy edited: stay on its KV
-            result = self._prefill_prefix(plan, chain.salt, seam, policy)
+            result, insert = self._prefill_prefix(plan, chain.salt, seam, policy)
             if self.settings.prefix_cache:
-                self.recent.add((tenant, chain.salt), RecentPrompt(client, client, salt=chain.salt))
+                remember = ((tenant, chain.salt), RecentPrompt(client, client, salt=chain.salt))
             report.applied, report.continued = str(edit), True
         elif edit.name != "recompute":
             try:
-                result, plan = self._apply_edit_policy(edit, plan, client, change, report, recent, tenant, salt,
-                                                       seam, policy, max_new_tokens)
+                result, plan, insert, remember = self._apply_edit_policy(
+                    edit, plan, client, change, report, recent, tenant, salt, seam, policy, max_new_tokens)
             except Exception as exc:  # noqa: BLE001 - the exact path below answers instead
                 log.warning("edit policy %s failed, recomputing: %r", edit, exc)
                 result = None  # `plan` is still the client's: the exception came before any rewrite
                 report.applied, report.reason = "recompute", f"{edit} failed ({type(exc).__name__}); recomputed"
         if result is None:
-            result = self._prefill_prefix(plan, salt, seam, policy)
+            result, insert = self._prefill_prefix(plan, salt, seam, policy)
             if self.settings.prefix_cache:  # the edit policies build on the prefix cache
                 rewritten = report is not None and report.applied == "erratum"
                 prefilled = TokenView.of(plan.input_ids, plan.placements) if rewritten else client
-                self.recent.add((tenant, salt), RecentPrompt(client, prefilled))
+                remember = ((tenant, salt), RecentPrompt(client, prefilled))
         if report is not None:
             report.recomputed_tokens, report.reused_tokens = result.computed_tokens, result.reused_tokens
-        return result, plan, report
+        return Placed(result, plan, report, self._commit(insert, remember, watch, plan))
+
+    def _commit(self, insert: Insert | None, remember: tuple | None, watch: PurgeWatch,
+                plan: SplicePlan) -> Insert | None:
+        """What the request leaves for later ones once its first token is out: its prefix blocks
+        and its place among the recent prompts (edit detection). Nothing before: a request that
+        fails earlier leaves no block and no recent prompt whose KV was never stored. Nothing at
+        all when a chunk it placed was purged (deleted) in between: its KV must not come back."""
+        if insert is None and remember is None:
+            return None
+        sources = {key for key in plan.chunk_keys if key is not None}
+
+        def commit() -> None:
+            if watch.touches(sources):
+                return
+            if remember is not None:
+                self.recent.add(*remember)
+            if insert is not None:
+                insert()
+        return commit
 
     @staticmethod
     def _continued_chain(client: TokenView, recent: list[RecentPrompt]) -> RecentPrompt | None:
@@ -154,7 +191,8 @@ class KVPlacer:
 
     def _apply_edit_policy(self, edit: EditPolicy, plan: SplicePlan, client: TokenView, change: FieldChange | None,
                            report: EditReport, recent: list[RecentPrompt], tenant: str, salt: str, seam: int,
-                           policy: str, max_new_tokens: int) -> tuple[PrefillResult | None, SplicePlan]:
+                           policy: str, max_new_tokens: int) -> tuple[PrefillResult | None, SplicePlan, Insert | None,
+                                                                      tuple | None]:
         """Run `edit`: the erratum policy returns the rewritten plan (prefilled by the caller);
         in_place / selective@K return their prefill, edited from the most recent prompt that
         matches, exact or an earlier turn of the same policy. Their KV is approximate, so its
@@ -166,35 +204,36 @@ class KVPlacer:
             rewritten = self._erratum_plan(plan, client, change, recent, policy)
             if rewritten is None:
                 report.reason = "no field change" if change is None else "a chunk of the earlier prompt was evicted"
-                return None, plan
+                return None, plan, None, None
             new_plan, line = rewritten
             if new_plan.input_ids.numel() + max_new_tokens > self.max_context:
                 report.reason = "the prompt with its erratum would exceed the context"
-                return None, plan
+                return None, plan, None, None
             report.applied, report.erratum = "erratum", line
-            return None, new_plan
+            return None, new_plan, None, None
         if change is None:
             report.reason = "no field change"
-            return None, plan
+            return None, plan, None, None
         if change.prompt.rewritten:
             report.reason = "the earlier prompt was rewritten by an erratum"
-            return None, plan
+            return None, plan, None, None
         old = change.prompt.prefilled
         old_keys = block_keys(torch.from_numpy(old.ids).long(), old.chunk_keys(), change.prompt.salt or salt)
         result = prefill_edited(self.adapter, self.store, plan, change, old_keys, seam, edit.k,
                                 self.settings.selective_layer, rotate=policy != "none", defer=True)
         if result is None:
             report.reason = "the earlier prompt's KV is no longer cached past the change"
-            return None, plan
+            return None, plan, None, None
         report.applied = str(edit)
+        insert = None
         if self.settings.prefix_cache:
             own = approx_salt(salt, edit)
             keys, cache, n = block_keys(plan.input_ids, plan.chunk_keys, own), result.cache, plan.input_ids.numel()
-            self.deferred_insert = lambda: self.prefix.insert(keys, cache, plan.positions, 0, n)
-            self.recent.add((tenant, own), RecentPrompt(client, client, salt=own))
-        return result, plan
+            insert = lambda: self.prefix.insert(keys, cache, plan.positions, 0, n)  # noqa: E731
+            return result, plan, insert, ((tenant, own), RecentPrompt(client, client, salt=own))
+        return result, plan, insert, None
 
-    def _prefill_prefix(self, plan: SplicePlan, salt: str, seam: int, policy: str) -> PrefillResult:
+    def _prefill_prefix(self, plan: SplicePlan, salt: str, seam: int, policy: str) -> tuple[PrefillResult, Insert | None]:
         """The exact reuse path: the longest cached prompt prefix, written straight into the
         prompt-length cache, then splice; full blocks go back (those inside a spliced chunk's body
         as references to it)."""
@@ -208,11 +247,12 @@ class KVPlacer:
         rotate = policy != "none"
         result = prefill_spliced(self.adapter, plan.input_ids, plan.positions, plan.placements, seam,
                                  rotate=rotate, cache=cache, start=start, defer=True)
+        insert = None
         if keys:  # stored once the first token is out (Run.first_token_out): off the TTFT path
             cache, rope = result.cache, self.adapter.rope
             spans = chunk_spans(plan, n, start, seam, rotate)
-            self.deferred_insert = lambda: self.prefix.insert(keys, cache, plan.positions, len(blocks), n, spans, rope)
-        return result
+            insert = lambda: self.prefix.insert(keys, cache, plan.positions, len(blocks), n, spans, rope)  # noqa: E731
+        return result, insert
 
     def _erratum_plan(self, plan: SplicePlan, client: TokenView, change: FieldChange | None,
                       recent: list[RecentPrompt], policy: str) -> tuple[SplicePlan, str] | None:
@@ -239,16 +279,16 @@ class KVPlacer:
         ids, at, line = old_ids + client_ids[tail_from:], len(old_ids) + len(client_ids) - tail_from, ""
         if change is not None:
             line = erratum_line(change.field, change.new_value)
-            tok = self.adapter.tokenizer
+            tok = self.adapter.tokenizer  # the turn markers are mmkv's; the line is client text
             ids, at = insert_before_final_turn(
-                ids, tok("<|im_start|>user\n")["input_ids"], tok(line + "\n")["input_ids"],
+                ids, tok("<|im_start|>user\n")["input_ids"], self.planner.text_ids(line + "\n"),
                 tok("<|im_end|>\n")["input_ids"], tok("<|im_start|>assistant\n")["input_ids"], len(old_ids))
         inserted = len(ids) - len(old_ids) - (len(client_ids) - tail_from)
         for p in plan.placements:
             if p.start >= tail_from:
                 start = p.start - tail_from + len(old_ids)
                 spans.append((start + inserted if start >= at else start, p.entry))
-        return self.make_plan(torch.tensor(ids, dtype=torch.long), spans, policy), line
+        return self.planner.plan(torch.tensor(ids, dtype=torch.long), spans, policy), line
 
 
 def chunk_spans(plan: SplicePlan, total: int, start: int, seam: int, rotate: bool) -> list[ChunkSpan]:

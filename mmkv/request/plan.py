@@ -24,6 +24,7 @@ from mmkv.request.tools import ToolSpec, check_tools, template_supports_tools
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # as OpenAI: bounds the stop-string search per token
 PROCESSOR_ONLY = re.compile(r"<\|(vision_[a-z]+|image_pad|video_pad)\|>")  # tokens only the processor places
 LITERAL = "\ue002{}\ue003"  # the i-th special token's string, sent by a client: tokenized as plain text
+_LITERAL_MARK = re.compile("\ue002(\\d+)\ue003")
 
 
 def check_seam_tokens(value) -> int:
@@ -179,18 +180,15 @@ class Planner:
         check_rendered(template, text)
         self._check_reserved(text, sum(isinstance(r, RegisteredImage) for r in refs))
         pad = self.adapter.processor.image_token
-        pattern = re.compile(re.escape(pad) + "|\\ue000(\\d+)\\ue001|\\ue002(\\d+)\\ue003")
+        pattern = re.compile(re.escape(pad) + "|\\ue000(\\d+)\\ue001")
         images = iter(r for r in refs if isinstance(r, RegisteredImage))
         ids: list[int] = []
         spans = []
         cursor = 0
         for m in pattern.finditer(text):
-            ids += self.adapter.tokenizer(text[cursor:m.start()])["input_ids"]
+            ids += self._tokenize_escaped(text[cursor:m.start()])
             cursor = m.end()
-            if m.group(2) is not None:
-                literal = self.client_text.specials[int(m.group(2))]
-                ids += self.adapter.tokenizer(literal, split_special_tokens=True)["input_ids"]
-            elif m.group(1) is None:
+            if m.group(1) is None:
                 reg = next(images, None)
                 if reg is None or not ids or ids[-1] != self.adapter.vision_start_id:
                     raise InvalidRequestError("the chat template did not place every image exactly once")
@@ -200,10 +198,26 @@ class Planner:
                 skill = refs[int(m.group(1))]
                 spans.append((len(ids), skill))
                 ids += skill.token_ids.tolist()
-        ids += self.adapter.tokenizer(text[cursor:])["input_ids"]
+        ids += self._tokenize_escaped(text[cursor:])
         if next(images, None) is not None:
             raise InvalidRequestError("the chat template did not place every image exactly once")
         return torch.tensor(ids, dtype=torch.long), spans
+
+    def text_ids(self, text: str) -> list[int]:
+        """Client text that does not pass through the chat template (an erratum line built from a
+        client's field and value) tokenized as `prompt` tokenizes client text: a special token's
+        string becomes its plain-text tokens, never the control token (ClientText)."""
+        return self._tokenize_escaped(self.client_text.escape(text))
+
+    def _tokenize_escaped(self, text: str) -> list[int]:
+        """Tokenize text in which ClientText marked each special token's string (LITERAL): the
+        marks as the string's plain-text tokens, the rest as the template wrote it."""
+        ids, cursor, tok = [], 0, self.adapter.tokenizer
+        for m in _LITERAL_MARK.finditer(text):
+            ids += tok(text[cursor:m.start()])["input_ids"]
+            ids += tok(self.client_text.specials[int(m.group(1))], split_special_tokens=True)["input_ids"]
+            cursor = m.end()
+        return ids + tok(text[cursor:])["input_ids"]
 
     def _check_reserved(self, text: str, images: int) -> None:
         """Each text part was checked alone (mmkv.request.messages); adjacent parts can still join into a

@@ -22,6 +22,7 @@ removes its referrers and their descendants too.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import Counter, OrderedDict
 from typing import Protocol
 
@@ -43,6 +44,21 @@ def _referenced(entry: Entry) -> tuple[Entry, ...]:
     return getattr(entry, "referenced", ())
 
 
+class PurgeWatch:
+    """The keys purged from a store since the watch began (`KVStore.watch`). A request takes one
+    when its cached KV is placed and checks it before storing anything derived from that KV once
+    its first token is out: a delete in between must not be undone by the request's prefix blocks."""
+
+    __slots__ = ("purged", "__weakref__")
+
+    def __init__(self):
+        self.purged: set[str] = set()
+
+    def touches(self, keys) -> bool:
+        """Whether any of `keys` was purged since the watch began."""
+        return not self.purged.isdisjoint(keys)
+
+
 class KVStore:
     def __init__(self, budget_bytes: int):
         if budget_bytes < 0:
@@ -59,6 +75,14 @@ class KVStore:
         self.hits: Counter[str] = Counter()  # per kind
         self.misses: Counter[str] = Counter()
         self.evictions = 0
+        self._watches: weakref.WeakSet[PurgeWatch] = weakref.WeakSet()  # held by requests in flight
+
+    def watch(self) -> PurgeWatch:
+        """Start recording purges (thread-safe); the store forgets the watch when its holder does."""
+        watch = PurgeWatch()
+        with self._lock:
+            self._watches.add(watch)
+        return watch
 
     def get(self, key: str, kind: str) -> Entry | None:
         """The entry under `key`, now most recently used; counts a hit or a miss for `kind`."""
@@ -116,8 +140,11 @@ class KVStore:
 
     def purge(self, key: str) -> int:
         """Remove `key`, every entry whose `sources` name it, and all their descendants in the
-        prefix tree (their KV attended to it). Returns how many entries went."""
+        prefix tree (their KV attended to it). Every open watch records the key. Returns how many
+        entries went."""
         with self._lock:
+            for watch in self._watches:
+                watch.purged.add(key)
             return self._purge(key)
 
     def _purge(self, key: str) -> int:
