@@ -238,9 +238,10 @@ class TemplateTokens:
 
 
 _LABEL = re.compile(  # a label, its separator, and the start of the value up to the change
+    # (anchored with \Z: `$` would also match before a line break, taking the line above's label)
     r"(?:^|[\n{,;])[ \t]*(?:- )?"
     r"(?:\"(?P<jlabel>[A-Za-z_][\w .\-]*)\"|(?P<label>[A-Za-z_][\w.\-]*(?: [A-Za-z_][\w.\-]*){0,3}))"
-    r"[ \t]*[:=][ \t]*(?:(?P<quote>\")(?P<qstem>[^\n\"]*)|(?P<stem>[^\n\",;{}:=]*))$"
+    r"[ \t]*[:=][ \t]*(?:(?P<quote>\")(?P<qstem>[^\n\"]*)|(?P<stem>[^\n\",;{}:=]*))\Z"
 )
 
 
