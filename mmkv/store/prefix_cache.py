@@ -197,6 +197,18 @@ def block_keys(token_ids: torch.Tensor, chunk_keys: list[str | None], salt: str,
     return keys
 
 
+def stored_blocks(store: KVStore, keys: list[str]) -> list[PrefixBlock | ChunkRefBlock]:
+    """The blocks stored under `keys`, from the first up to the first one missing (each a hit or
+    a miss in the store's counts)."""
+    found = []
+    for key in keys:
+        blk = store.get(key, "prefix")
+        if blk is None:
+            break
+        found.append(blk)
+    return found
+
+
 class PrefixCache:
     """Lookup and insert of prompt prefixes; the blocks live in (and share the budget of) `store`."""
 
@@ -208,13 +220,7 @@ class PrefixCache:
 
     def lookup(self, keys: list[str], prompt_len: int) -> list[PrefixBlock | ChunkRefBlock]:
         """The longest run of cached blocks from the start, within the len-1 cap."""
-        usable = (prompt_len - 1) // self.block
-        found = []
-        for key in keys[:usable]:
-            blk = self.store.get(key, "prefix")
-            if blk is None:
-                break
-            found.append(blk)
+        found = stored_blocks(self.store, keys[:(prompt_len - 1) // self.block])
         self.query_tokens += prompt_len
         self.hit_tokens += len(found) * self.block
         return found
