@@ -418,3 +418,42 @@ def test_values_that_are_added_word_tokens_are_still_fields(tmp_path):
     r = eng.generate(_with_field("note: {v}", "shipped", 2, 2), max_new_tokens=1, tenant="markup", edit_policy="in_place")
     assert not r.edit.detected and r.edit.applied == "recompute"
     eng.check_integrity()
+
+
+def _char_view(text: str):
+    """A prompt in a one-token-per-character vocabulary: id 1 is <|im_start|>, 2 is <|im_end|>,
+    a character c is ord(c) + 10."""
+    import numpy as np
+
+    from mmkv.request.edits import TokenView
+
+    marks = {"<s>": 1, "<e>": 2}
+    ids, i = [], 0
+    while i < len(text):
+        tag = text[i:i + 3]
+        ids.append(marks[tag] if tag in marks else ord(text[i]) + 10)
+        i += 3 if tag in marks else 1
+    return TokenView(np.array(ids, dtype=np.int32), ())
+
+
+def test_a_label_must_end_its_line_before_the_value_not_the_line_above():
+    """issue finding (edit detection's label regex ended in `$`, which also matches before a
+    trailing newline): a label alone on the line above the changed text (`notes:` then a line
+    break) is not that text's label. The same value on the label's own line is a field."""
+    from mmkv.request.edits import EditRules, RecentPrompt, TemplateTokens, detect_field_change
+
+    tt = TemplateTokens(turn_start=1, generation_prompt=(), special=frozenset({1, 2}),
+                        decode=lambda ids: "".join(chr(i - 10) for i in ids if i > 2))
+    filler = "a refund is allowed only when delivered .\n" * 2
+    rules = EditRules()
+
+    def change(layout: str, old: str, new: str):
+        prompt = lambda v: _char_view(f"<s>system\n{filler}{layout.format(v=v)}\n{filler}<e><s>user\nwhy ?<e>")  # noqa: E731
+        recent = [RecentPrompt(prompt(old), prompt(old))]
+        return detect_field_change(prompt(new), recent, tt, rules)
+
+    same_line = change("notes: {v} car parked here", "blue", "red")
+    assert (same_line.field, same_line.old_value, same_line.new_value) == \
+        ("notes", "blue car parked here", "red car parked here")
+    assert change("notes:\n{v} car parked here", "blue", "red") is None
+    assert change("notes =\n{v} car parked here", "blue", "red") is None

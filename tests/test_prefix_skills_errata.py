@@ -296,6 +296,20 @@ def _ref_blocks(engine, chunk_key: str) -> list:
     return [e for e in engine.cache._entries.values() if isinstance(e, ChunkRefBlock) and e.chunk.key == chunk_key]
 
 
+def _own_kv(block) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A block's KV on its own: a copy's tensors, or a reference's slice of its chunk with the keys
+    turned from the chunk's positions to the block's (`reposition_keys`)."""
+    from mmkv.kv.rerotate import reposition_keys
+    from mmkv.store.prefix_cache import PrefixBlock
+
+    if isinstance(block, PrefixBlock):
+        return list(block.keys), list(block.values)
+    rows = slice(block.offset, block.offset + block.size)
+    cached = block.chunk.position_ids[:, rows]
+    return ([reposition_keys(k[:, rows], cached, block.positions, block.rope) for k in block.chunk.keys],
+            [v[:, rows] for v in block.chunk.values])
+
+
 def _skill_chat(skill_id: str, lead: str, turns: int = 0) -> list[dict]:
     msgs = [{"role": "system", "content": [{"type": "text", "text": lead + "\n"}, {"type": "skill", "skill_id": skill_id}]},
             {"role": "user", "content": "is a refund allowed ?"}]
@@ -311,7 +325,7 @@ def _oracle_gap(engine, msgs, tenant: str, result) -> float:
 
 
 def test_blocks_inside_a_spliced_skill_reference_it_and_are_exact(engine):
-    from mmkv.store.prefix_cache import REF_BYTES
+    from mmkv.store.prefix_cache import BLOCK_ENTRY_BYTES
 
     tenant = "refs"
     sid = engine.add_skill("long policy", POLICY * 4, tenant=tenant)
@@ -326,8 +340,8 @@ def test_blocks_inside_a_spliced_skill_reference_it_and_are_exact(engine):
     assert len(inside) >= 5 and sorted(r.offset for r in refs) == [i * BLOCK_TOKENS - p.start for i in inside]
     kv_per_token = chunk.nbytes // chunk.num_tokens
     copies = n // BLOCK_TOKENS - len(inside)
-    # the chunk's KV is counted once: references cost their metadata only
-    assert engine.cache.nbytes - before == copies * BLOCK_TOKENS * kv_per_token + len(inside) * REF_BYTES
+    # the chunk's KV is counted once: references cost their entry's heap only
+    assert engine.cache.nbytes - before == copies * BLOCK_TOKENS * kv_per_token + len(inside) * BLOCK_ENTRY_BYTES
     assert _oracle_gap(engine, turn1, tenant, first) <= TOL
     turn2 = _skill_chat(sid, "user 1 prefers short answers .", turns=1)
     second = engine.generate(turn2, max_new_tokens=1, tenant=tenant)
@@ -339,7 +353,7 @@ def test_blocks_inside_a_spliced_skill_reference_it_and_are_exact(engine):
     for r in refs:  # a reference reads back the KV the splice placed at its tokens
         a = p.start + r.offset
         assert r.positions.equal(plan.positions[:, a:a + BLOCK_TOKENS])
-        for layer, k, v in zip(spliced.layers, r.keys, r.values):
+        for layer, k, v in zip(spliced.layers, *_own_kv(r)):
             torch.testing.assert_close(k, layer.keys[0, :, a:a + BLOCK_TOKENS], atol=1e-6, rtol=0)
             assert v.equal(layer.values[0, :, a:a + BLOCK_TOKENS])
     engine.check_integrity()
@@ -433,8 +447,8 @@ def test_reused_counts_equal_the_per_token_count(engine, monkeypatch):
 
 def test_read_blocks_equals_each_blocks_own_kv_across_references_and_copies(engine):
     """The edit policies read an older prompt's KV with `read_blocks` / `write_blocks`, which turn
-    each run of references to one chunk once; the reference is every block's own `keys` / `values`
-    (a ChunkRefBlock turns its slice of the chunk alone), concatenated and sliced."""
+    each run of references to one chunk once; the reference is every block's own KV (`_own_kv`: a
+    ChunkRefBlock's slice of the chunk turned alone), concatenated and sliced."""
     from mmkv.store.prefix_cache import ChunkRefBlock, PrefixBlock, read_blocks, write_blocks
 
     tenant = "read-blocks"
@@ -447,8 +461,9 @@ def test_read_blocks_equals_each_blocks_own_kv_across_references_and_copies(engi
     kinds = [type(b) for b in blocks]
     assert ChunkRefBlock in kinds and PrefixBlock in kinds and kinds.count(ChunkRefBlock) >= 3
     n = len(blocks) * BLOCK_TOKENS
-    want_k = [torch.cat([b.keys[i] for b in blocks], dim=-2) for i in range(engine.adapter.num_layers)]
-    want_v = [torch.cat([b.values[i] for b in blocks], dim=-2) for i in range(engine.adapter.num_layers)]
+    own = [_own_kv(b) for b in blocks]
+    want_k = [torch.cat([k[i] for k, _ in own], dim=-2) for i in range(engine.adapter.num_layers)]
+    want_v = [torch.cat([v[i] for _, v in own], dim=-2) for i in range(engine.adapter.num_layers)]
     want_pos = torch.cat([b.positions for b in blocks], dim=1)
     for start, stop in ((0, n), (3, n - 5), (BLOCK_TOKENS + 1, 3 * BLOCK_TOKENS + 2), (n - 2, n), (7, 8)):
         got_k, got_v, got_pos = read_blocks(blocks, start, stop)

@@ -148,6 +148,27 @@ def test_one_forward_per_turn_equals_the_segmented_splice(engine, seam, layout, 
     assert got.cache.get_seq_length() == plan.input_ids.numel()
 
 
+@pytest.mark.parametrize("recompute", [[2], [1, 3, 4], [0, 5]])
+def test_recomputed_cached_tokens_are_counted_computed_and_end_the_prefix(engine, recompute):
+    """issue finding (PrefillResult.prefix_tokens on the in_place path): tokens below `start` that
+    the turn recomputes (an edit's changed tokens) are computed, not reused, and the prefix-cache
+    hit ends at the first of them; the logits are those of the splice without a cache."""
+    ad = engine.adapter
+    plan = engine.splice_plan(_layouts(engine)["middle"])
+    start = plan.placements[0].start - 1
+    cache = ad.new_cache()
+    ad.forward(plan.input_ids[:start], plan.positions[:, :start], cache)
+    got = prefill_spliced(ad, plan.input_ids, plan.positions, plan.placements, 1, cache=cache, start=start,
+                          recompute=recompute)
+    want = prefill_spliced(ad, plan.input_ids, plan.positions, plan.placements, 1)
+    assert (got.logits - want.logits).abs().max().item() <= 1e-5
+    assert got.computed_tokens == want.computed_tokens - start + len(recompute)
+    assert got.computed_tokens + got.reused_tokens == plan.input_ids.numel()
+    reused = {i for a, b in got.reused_ranges for i in range(a, b)}
+    assert len(reused) == got.reused_tokens and not reused & set(recompute)
+    assert got.prefix_tokens == recompute[0]
+
+
 def test_decoding_after_a_splice_appends(engine):
     """The preallocated cache behaves as an ordinary one once the turn is prefilled: a decode step
     over it equals the same step over the segmented splice's cache."""

@@ -2,9 +2,9 @@
 logprobs and the text / logprob callbacks. The engine's single-request loop and the scheduler's
 batched loop drive the same `DecodeStream`, so a request decodes identically either way.
 
-Text is detokenized incrementally (only the tokens since the last complete character) and stop
-strings are searched only in the new text plus the longest stop's overlap, so a token costs the
-same at the end of a long answer as at its start.
+Text is detokenized incrementally by `Detokenizer` (each token decoded in the context of the one
+before it, never the whole answer again) and stop strings are searched only in the new text plus
+the longest stop's overlap, so a token costs the same at the end of a long answer as at its start.
 """
 
 from __future__ import annotations
@@ -13,8 +13,47 @@ import time
 from collections.abc import Callable
 
 import torch
+from tokenizers.decoders import DecodeStream as TokenizersDecodeStream
 
 from mmkv.request.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
+
+
+class Detokenizer:
+    """The text of a growing list of token ids, one piece per token, whose concatenation is the
+    tokenizer's decode of the whole list with special tokens skipped (`tokenizer.decode(ids,
+    skip_special_tokens=True)`; a rewrite of the decoded text as a whole, transformers'
+    `clean_up_tokenization_spaces`, is not applied, as no stream can: Qwen's byte-level BPE never
+    uses it).
+
+    The tokenizers library's `DecodeStream` decodes each new token together with the tokens of the
+    last piece, so a decoder that joins words with spaces (WordLevel, WordPiece) or strips the
+    first word's leading space (Metaspace) gives each piece the text it has inside the whole; a
+    token that ends inside a multi-byte character gives no piece until the character completes.
+    Each step decodes a few tokens, whatever the length of the answer."""
+
+    def __init__(self, tokenizer):
+        self.backend = tokenizer.backend_tokenizer  # the `tokenizers.Tokenizer` of a transformers tokenizer
+        self.stream = TokenizersDecodeStream(skip_special_tokens=True)
+        self.context: list[int] = []  # the last token whose text is out (the context of a final flush)
+        self.pending: list[int] = []  # tokens whose text is not out yet
+
+    def step(self, token: int) -> str | None:
+        """The text `token` completes (possibly with held tokens before it), or None while it ends
+        inside a character."""
+        self.pending.append(token)
+        piece = self.stream.step(self.backend, token)
+        if piece is not None:
+            self.context, self.pending = self.pending[-1:], []
+        return piece
+
+    def flush(self) -> str:
+        """The text of the held tokens, as the whole decode has it (an unfinished character as U+FFFD)."""
+        if not self.pending:
+            return ""
+        head = self.backend.decode(self.context, skip_special_tokens=True)
+        whole = self.backend.decode(self.context + self.pending, skip_special_tokens=True)
+        self.context, self.pending = self.pending[-1:], []
+        return whole[len(head):]
 
 
 class DecodeStream:
@@ -28,7 +67,7 @@ class DecodeStream:
                  on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
                  should_stop: Callable[[], bool] | None = None, t0: float | None = None,
                  device: torch.device | str = "cpu"):
-        self.tokenizer, self.token_texts, self.stop_ids = tokenizer, token_texts, stop_ids
+        self.detokenizer, self.token_texts, self.stop_ids = Detokenizer(tokenizer), token_texts, stop_ids
         self.sampling, self.stops, self.max_new_tokens = sampling, stops, max_new_tokens
         self.on_text, self.on_logprobs, self.should_stop = on_text, on_logprobs, should_stop
         self.sampler = Sampler(sampling, banned_ids, device)
@@ -52,7 +91,7 @@ class DecodeStream:
         self.ids.append(token)
         if self.sampling.logprobs:
             self.lps.append(logprobs_of(processed, token, self.sampling.top_logprobs, self.token_texts))
-        self._take_text(final=False)
+        self._take_text(self.detokenizer.step(token))
         if self.finish_reason == "stop":
             return self._end("stop")
         self._emit(len(self.text) - self.hold)
@@ -75,7 +114,7 @@ class DecodeStream:
     def _end(self, reason: str) -> None:  # returns None: "no token to run"
         self.finish_reason, self.finished = reason, True
         if self.done < len(self.ids):
-            self._take_text(final=True)
+            self._take_text(self.detokenizer.flush())
         self._emit(len(self.text))
         if self.on_logprobs and self.sampling.logprobs and self.delivered < len(self.lps):
             self.on_logprobs(self.lps[self.delivered:])
@@ -83,11 +122,10 @@ class DecodeStream:
             self.ttft = time.perf_counter() - self.t0
         return None
 
-    def _take_text(self, final: bool) -> None:
-        """Move the text of ids[done:] into `text` unless it ends inside a UTF-8 sequence; cut at a stop."""
-        piece = self.tokenizer.decode(self.ids[self.done:], skip_special_tokens=True)
-        if piece.endswith("\ufffd") and not final:
-            return  # an incomplete UTF-8 sequence: wait for the next token
+    def _take_text(self, piece: str | None) -> None:
+        """Append the text of ids[done:] (None: not complete yet) to `text`; cut at a stop."""
+        if piece is None:
+            return
         self.starts.extend([len(self.text)] * (len(self.ids) - self.done))
         search_from = max(len(self.text) - self.hold, 0)
         self.text, self.done = self.text + piece, len(self.ids)

@@ -36,11 +36,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mmkv.adapters import ImageFeatures
 from mmkv.errors import InvalidRequestError
-from mmkv.store.prefix_cache import read_blocks, write_blocks
+from mmkv.store.prefix_cache import read_blocks, stored_blocks, write_blocks
 from mmkv.kv.rerotate import constant_delta, place_rows, reposition_keys, rotation
-from mmkv.request.splice import pad_features, preallocate, prefill_spliced
+from mmkv.request.splice import image_features, preallocate, prefill_spliced
 
 POLICY_NAMES = ("recompute", "erratum", "in_place", "selective")
 
@@ -238,9 +237,10 @@ class TemplateTokens:
 
 
 _LABEL = re.compile(  # a label, its separator, and the start of the value up to the change
+    # (anchored with \Z: `$` would also match before a line break, taking the line above's label)
     r"(?:^|[\n{,;])[ \t]*(?:- )?"
     r"(?:\"(?P<jlabel>[A-Za-z_][\w .\-]*)\"|(?P<label>[A-Za-z_][\w.\-]*(?: [A-Za-z_][\w.\-]*){0,3}))"
-    r"[ \t]*[:=][ \t]*(?:(?P<quote>\")(?P<qstem>[^\n\"]*)|(?P<stem>[^\n\",;{}:=]*))$"
+    r"[ \t]*[:=][ \t]*(?:(?P<quote>\")(?P<qstem>[^\n\"]*)|(?P<stem>[^\n\",;{}:=]*))\Z"
 )
 
 
@@ -379,16 +379,6 @@ def insert_before_final_turn(ids: list[int], user_turn: list[int], erratum: list
     return ids[:at] + user_turn + erratum + close + ids[at:], at
 
 
-def _features_in(plan, start: int, stop: int):
-    """Visual features of the image pads among prompt tokens [start, stop)."""
-    parts = []
-    for p in plan.placements:
-        a, b = max(start, p.start), min(stop, p.end)
-        if a < b and p.entry.features is not None:
-            parts.append(pad_features(p.entry, a - p.start, b - p.start))
-    return ImageFeatures.concat([f for f in parts if f is not None])
-
-
 def prefill_edited(adapter, store, plan, change: FieldChange, old_block_keys: list[str], seam: int, k: int,
                    layer: int, rotate: bool, defer: bool = False):
     """in_place (k = 0) or selective@k: the old prompt's KV before the change, the changed tokens
@@ -398,12 +388,7 @@ def prefill_edited(adapter, store, plan, change: FieldChange, old_block_keys: li
     prompt-length slots and every computed token (changed, chosen, rest) runs in one forward,
     causal by prompt index; with `defer` that forward is left pending, as `prefill_spliced`
     documents. None when the old prompt's KV is no longer cached far enough (the caller recomputes)."""
-    blocks = []
-    for key in old_block_keys:
-        blk = store.get(key, "prefix")
-        if blk is None:
-            break
-        blocks.append(blk)
+    blocks = stored_blocks(store, old_block_keys)
     covered = len(blocks) * (blocks[0].positions.shape[1] if blocks else 0)
     ids, pos = plan.input_ids, plan.positions
     a, x, y = change.start, change.new_len, change.old_len
@@ -428,13 +413,8 @@ def prefill_edited(adapter, store, plan, change: FieldChange, old_block_keys: li
         place_rows(dst_keys, dst_values, a + x, s_keys, s_values, 0, stale,
                    rotation(shift, adapter.rope) if any(shift) else None)
     chosen = _most_changed(adapter, layers, plan, a, x, stale, k, layer) if k else []
-    result = prefill_spliced(adapter, ids, pos, plan.placements, seam, rotate=rotate, cache=cache, start=a + x + stale,
-                             defer=defer, recompute=list(range(a, a + x)) + [a + x + j for j in chosen])
-    keep = sorted(set(range(stale)) - set(chosen))
-    result.reused_tokens = a + len(keep) + sum(e - b for b, e in result.reused_ranges[1:])
-    result.reused_ranges = [(0, a)] + [(a + x + j, a + x + j + 1) for j in keep] + result.reused_ranges[1:]
-    result.prefix_tokens = a
-    return result
+    return prefill_spliced(adapter, ids, pos, plan.placements, seam, rotate=rotate, cache=cache, start=a + x + stale,
+                           defer=defer, recompute=list(range(a, a + x)) + [a + x + j for j in chosen], prefix_tokens=a)
 
 
 def _most_changed(adapter, layers, plan, a, x, stale, k, layer) -> list[int]:
@@ -446,7 +426,7 @@ def _most_changed(adapter, layers, plan, a, x, stale, k, layer) -> list[int]:
         probe.update(lyr.keys[:, :, :a].clone(), lyr.values[:, :, :a].clone(), i)
     lo, hi = a, a + x + stale
     adapter.forward_layers(plan.input_ids[lo:hi], plan.positions[:, lo:hi], probe, layer + 1,
-                           _features_in(plan, lo, hi))
+                           image_features(plan.placements, [(lo, hi)]))
     span = slice(a + x, a + x + stale)
     true_k, true_v = probe.layers[layer].keys[0, :, span], probe.layers[layer].values[0, :, span]
     stale_k = layers[layer].keys[0, :, span].to(true_k.device)  # where the model is

@@ -51,7 +51,7 @@ class PrefillResult:
     computed_tokens: int  # LM tokens run through the model for this prompt
     reused_tokens: int  # tokens whose KV came from a cache (chunks re-rotated, prefix blocks)
     reused_ranges: list[tuple[int, int]]  # [start, end) token ranges whose KV was reused
-    prefix_tokens: int = 0  # leading tokens taken from the prefix cache
+    prefix_tokens: int = 0  # leading tokens whose KV is the prompt's own from the prefix cache (`prefill_spliced`)
     pending: ChunkedForward | None = None  # the forward still to run (defer=True); `advance` runs it
 
     def advance(self, max_tokens: int | None = None) -> bool:
@@ -245,26 +245,38 @@ def place_chunk(layers: list[SlotLayer], p: Placement, first: int, stop: int, ro
                rotation(shift, rope) if any(shift) else None)  # CPU float32: one fused call for every layer
 
 
-def _features(placements: list[Placement], ranges: list[tuple[int, int]]) -> ImageFeatures | None:
-    """Visual features of the image pads among the computed prompt ranges, in token order."""
-    parts = []
+def image_features(placements: list[Placement], ranges: list[tuple[int, int]]) -> ImageFeatures | None:
+    """Visual features of the image pads among prompt `ranges` (ascending, disjoint), in token order."""
+    parts, ordered = [], sorted(placements, key=lambda p: p.start)
     for a, b in ranges:
-        for p in sorted(placements, key=lambda p: p.start):
+        for p in ordered:
             lo, hi = max(a, p.start), min(b, p.end)
             if lo < hi and (f := pad_features(p.entry, lo - p.start, hi - p.start)) is not None:
                 parts.append(f)
     return ImageFeatures.concat(parts)
 
 
+def _cached_ranges(start: int, recompute: list[int]) -> list[tuple[int, int]]:
+    """[0, start) less the `recompute` indices (ascending, below start), as [a, b) ranges."""
+    out, a = [], 0
+    for i in [*recompute, start]:
+        if a < i:
+            out.append((a, i))
+        a = i + 1
+    return out
+
+
 def prefill_spliced(adapter: VLAdapter, input_ids: torch.Tensor, positions: torch.Tensor,
                     placements: list[Placement], seam_tokens: int, rotate: bool = True,
                     cache: DynamicCache | None = None, start: int = 0, defer: bool = False,
-                    recompute: list[int] = ()) -> PrefillResult:
+                    recompute: list[int] = (), prefix_tokens: int | None = None) -> PrefillResult:
     """Prefill `input_ids` [L] at `positions` [3, L] with every chunk taken from `placements`.
 
     `cache` may already hold the KV of tokens [0, start) (a prefix-cache hit; any order), but for
     the prompt indices `recompute` (ascending, below `start`; an edit's changed tokens), computed
-    in the same forward as the rest. The result equals one forward pass over the same tokens and
+    in the same forward as the rest (and counted computed, not reused). `prefix_tokens`: how many
+    leading tokens of `cache` are this prompt's own exact KV, a prefix-cache hit (default: those
+    before the first recomputed token); an edit policy's stale KV after the change is not. The result equals one forward pass over the same tokens and
     positions in which each chunk's tokens see only their own chunk (see mmkv.request.oracle). It runs one
     LM forward; `cache` is filled in place (its layers become prompt-length buffers) and returned
     in the result. With `defer` the KV is placed and the forward left in `result.pending`
@@ -276,22 +288,25 @@ def prefill_spliced(adapter: VLAdapter, input_ids: torch.Tensor, positions: torc
     layout = splice_layout(placements, total, start, seam_tokens)
     if not layout.computed:
         raise ValueError("nothing left to compute: the prompt's last token must not be cached")
+    recompute = list(recompute)
+    if recompute != sorted(set(recompute)) or any(not 0 <= i < start for i in recompute):
+        raise ValueError("recompute: ascending prompt indices below start")
     cache = cache if cache is not None else adapter.new_cache()
     layers = preallocate(adapter, cache, start, total)
-    reused = [(0, start)] if start else []
+    reused = _cached_ranges(start, recompute)
     for p, first, stop in layout.reused:
         place_chunk(layers, p, first, stop, adapter.rope, rotate)
         reused.append((p.start + first, p.start + stop))
     computed = [(i, i + 1) for i in recompute] + layout.computed
-    if list(recompute) != sorted(set(recompute)) or any(not 0 <= i < start for i in recompute):
-        raise ValueError("recompute: ascending prompt indices below start")
     index = torch.cat([torch.arange(a, b) for a, b in computed])  # [Q] prompt indices, ascending
 
     def features(lo: int, hi: int) -> ImageFeatures | None:  # of the computed tokens in prompt [lo, hi)
-        return _features(placements, [(max(a, lo), min(b, hi)) for a, b in computed if a < hi and lo < b])
+        return image_features(placements, [(max(a, lo), min(b, hi)) for a, b in computed if a < hi and lo < b])
 
     forward = ChunkedForward(adapter, cache, input_ids, positions, index, features, layers)
-    result = PrefillResult(cache, None, index.numel(), sum(b - a for a, b in reused), reused, start, forward)
+    if prefix_tokens is None:
+        prefix_tokens = recompute[0] if recompute else start
+    result = PrefillResult(cache, None, index.numel(), sum(b - a for a, b in reused), reused, prefix_tokens, forward)
     if not defer:
         result.advance()
     return result

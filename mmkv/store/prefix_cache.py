@@ -10,8 +10,9 @@ through the tree, every block after them.
 
 A block whose tokens all came from one chunk's cached body (rotated into place, not recomputed)
 holds no copy: a `ChunkRefBlock` names the chunk, the offset and the per-axis position change
-its keys were turned by, and costs only its metadata in the store's budget. The KV store keeps it
-only while that very chunk is stored and drops it (and the blocks after it) with the chunk.
+its keys were turned by, and costs only the heap its entry holds (`BLOCK_ENTRY_BYTES`) in the
+store's budget. The KV store keeps it only while that very chunk is stored and drops it (and the
+blocks after it) with the chunk.
 """
 
 from __future__ import annotations
@@ -25,10 +26,16 @@ import xxhash
 from mmkv.adapters import RopeLayout
 from mmkv.kv.chunks import CachedChunk
 from mmkv.store.kv_store import KVStore
-from mmkv.kv.rerotate import place_rows, rotate_into, rotation
+from mmkv.kv.rerotate import place_rows, rotation
 
 BLOCK_TOKENS = 16
-REF_BYTES = 3 * 32 + 8 + 3 * 8  # a reference's fields: its, its parent's and its chunk's 32-digit keys, offset, shift
+# The heap a stored block holds besides tensor data: the block object, its key and its parent's
+# key as strings, the KV store's bookkeeping (its slots in the entry dict and the LRU order, its
+# parent's child set, its slots in the sources and referrers indexes, each dict or set just after
+# it grew). Measured with tracemalloc: 0.55-0.8 KB a reference block, 0.97 KB for the first one of
+# a chunk (its index sets are new); tests/test_prefix_cache.py holds the charge above the measure.
+# A `ChunkRefBlock` is charged this and nothing else.
+BLOCK_ENTRY_BYTES = 1024
 
 
 class BlockKey(str):
@@ -60,11 +67,12 @@ class PrefixBlock:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
-@dataclass
+@dataclass(slots=True)
 class ChunkRefBlock:
     """A block inside a spliced chunk's body: its KV is the chunk's tokens [offset, offset + B)
-    with the keys turned by `shift` (per axis). `keys` / `values` / `positions` are computed on
-    demand (the edit policies read them); `PrefixCache.load` rotates straight into the cache."""
+    with the keys turned by `shift` (per axis). It holds no tensor: `read_blocks` / `write_blocks`
+    turn its slice of the chunk into place (the edit policies), as `PrefixCache.load` does into
+    the cache. Slotted and small: thousands of them sit in the store (`BLOCK_ENTRY_BYTES`)."""
 
     key: str
     parent: str | None
@@ -73,11 +81,15 @@ class ChunkRefBlock:
     size: int  # tokens
     shift: tuple[int, int, int]  # position change (t, h, w) from the chunk's positions to the prompt's
     rope: RopeLayout
-    sources: frozenset[str] = frozenset()
     kind = "prefix"
 
     def __post_init__(self):
         assert 0 <= self.offset and self.offset + self.size <= self.chunk.num_tokens, "block inside its chunk"
+
+    @property
+    def sources(self) -> frozenset[str]:
+        """Every token of the block holds the chunk's KV, and only that."""
+        return frozenset((self.chunk.key,))
 
     @property
     def referenced(self) -> tuple[CachedChunk]:
@@ -85,22 +97,12 @@ class ChunkRefBlock:
 
     @property
     def nbytes(self) -> int:
-        return REF_BYTES
+        return BLOCK_ENTRY_BYTES
 
     @property
     def positions(self) -> torch.Tensor:
         pos = self.chunk.position_ids[:, self.offset:self.offset + self.size]
         return pos + torch.tensor(self.shift, dtype=pos.dtype)[:, None]
-
-    @property
-    def keys(self) -> tuple[torch.Tensor, ...]:
-        sl, turn = slice(self.offset, self.offset + self.size), self.turn()
-        return tuple(rotate_into(torch.empty_like(k[:, sl]), k[:, sl], *turn) if turn else k[:, sl].clone()
-                     for k in self.chunk.keys)
-
-    @property
-    def values(self) -> tuple[torch.Tensor, ...]:
-        return tuple(v[:, self.offset:self.offset + self.size] for v in self.chunk.values)
 
     def turn(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`rotation`'s (cos, signed sin) for the block's shift; None when nothing moves."""
@@ -195,6 +197,18 @@ def block_keys(token_ids: torch.Tensor, chunk_keys: list[str | None], salt: str,
     return keys
 
 
+def stored_blocks(store: KVStore, keys: list[str]) -> list[PrefixBlock | ChunkRefBlock]:
+    """The blocks stored under `keys`, from the first up to the first one missing (each a hit or
+    a miss in the store's counts)."""
+    found = []
+    for key in keys:
+        blk = store.get(key, "prefix")
+        if blk is None:
+            break
+        found.append(blk)
+    return found
+
+
 class PrefixCache:
     """Lookup and insert of prompt prefixes; the blocks live in (and share the budget of) `store`."""
 
@@ -206,13 +220,7 @@ class PrefixCache:
 
     def lookup(self, keys: list[str], prompt_len: int) -> list[PrefixBlock | ChunkRefBlock]:
         """The longest run of cached blocks from the start, within the len-1 cap."""
-        usable = (prompt_len - 1) // self.block
-        found = []
-        for key in keys[:usable]:
-            blk = self.store.get(key, "prefix")
-            if blk is None:
-                break
-            found.append(blk)
+        found = stored_blocks(self.store, keys[:(prompt_len - 1) // self.block])
         self.query_tokens += prompt_len
         self.hit_tokens += len(found) * self.block
         return found
@@ -230,24 +238,25 @@ class PrefixCache:
         """Store blocks `have`.. of the prompt whose tokens end at or before `upto_tokens`: a block
         lying inside one of `spans` as a reference to its chunk, any other as a copy of `cache`'s
         KV. Returns how many blocks were stored."""
-        stored = 0
+        stored, parent = 0, None
         for i in range(have, min(len(keys), upto_tokens // self.block)):
             if keys[i] in self.store:
+                parent = None
                 continue
             a, b = i * self.block, (i + 1) * self.block
-            parent, sources = keys[i - 1] if i else None, getattr(keys[i], "sources", frozenset())
+            # the block keeps plain strings (a BlockKey carries a dict), its parent's the one stored
+            key, parent = str(keys[i]), parent or (str(keys[i - 1]) if i else None)
             span = next((s for s in spans if s.start <= a and b <= s.stop), None)
             if span is not None and rope is not None:
-                blk = ChunkRefBlock(keys[i], parent, span.chunk, span.offset + a - span.start, self.block, span.shift,
-                                    rope, sources)
+                blk = ChunkRefBlock(key, parent, span.chunk, span.offset + a - span.start, self.block, span.shift, rope)
             else:
                 blk = PrefixBlock(
-                    key=keys[i], parent=parent, positions=positions[:, a:b].clone(),
+                    key=key, parent=parent, positions=positions[:, a:b].clone(),
                     keys=tuple(layer.keys[0, :, a:b].detach().clone() for layer in cache.layers),
                     values=tuple(layer.values[0, :, a:b].detach().clone() for layer in cache.layers),
-                    sources=sources,
+                    sources=getattr(keys[i], "sources", frozenset()),
                 )
             if not self.store.put(blk):
                 break
-            stored += 1
+            stored, parent = stored + 1, key
         return stored

@@ -1,0 +1,64 @@
+"""Prefix blocks that reference a chunk instead of copying its KV: what the store charges for them
+against its byte budget is at least the heap they hold, measured with tracemalloc."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import pytest
+import torch
+
+from mmkv.adapters import RopeLayout
+from mmkv.kv.chunks import CachedChunk
+from mmkv.store.kv_store import KVStore
+from mmkv.store.prefix_cache import BLOCK_TOKENS, ChunkRefBlock, ChunkSpan, PrefixCache, block_keys
+
+MAX_BLOCKS = 1000
+ROPE = RopeLayout(torch.ones(4), torch.tensor([0, 1, 2, 2]), "sectioned")
+
+
+@pytest.fixture(scope="module")
+def chunk() -> CachedChunk:
+    n = MAX_BLOCKS * BLOCK_TOKENS + 1
+    return CachedChunk("c" * 32, "skill", torch.zeros(n, dtype=torch.long), torch.arange(n).repeat(3, 1),
+                       (torch.zeros(1, n, 8),), (torch.zeros(1, n, 8),))
+
+
+def _store_references(chunk: CachedChunk, blocks: int, per_request: int) -> tuple[int, int]:
+    """Store `blocks` blocks inside `chunk`'s body into a fresh store holding the chunk, `per_request`
+    blocks by each insert (keys made by each request, as the engine does). Returns (bytes charged
+    for them, heap bytes they left allocated)."""
+    store = KVStore(10**12)
+    assert store.put(chunk)
+    cache = PrefixCache(store)
+    ids = torch.arange(blocks * BLOCK_TOKENS + 1) % 1000
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for have in range(0, blocks, per_request):
+            upto = min(have + per_request, blocks) * BLOCK_TOKENS
+            keys = block_keys(ids[:upto + 1], [chunk.key] * (upto + 1), "tenant|settings")
+            span = ChunkSpan(0, upto + 1, chunk, 0, (1, 0, 0))
+            assert cache.insert(keys, None, None, have, upto, [span], ROPE) == upto // BLOCK_TOKENS - have
+            del keys, span
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(store) == blocks + 1 and all(isinstance(e, ChunkRefBlock) for e in store._entries.values()
+                                            if e is not chunk)
+    store.check_integrity()
+    return store.nbytes - chunk.nbytes, held
+
+
+@pytest.mark.parametrize("blocks,per_request", [(1, 1), (2, 1), (5, 5), (40, 1), (MAX_BLOCKS, MAX_BLOCKS)])
+def test_a_reference_block_is_charged_at_least_its_heap(chunk, blocks, per_request):
+    """issue finding 15: a ChunkRefBlock was charged 128 bytes against the cache budget but held
+    about 1 KB of heap (the block, its key with a dict, the store's indexes); the charge per block
+    now covers what the block, its key strings and the store's bookkeeping for it really hold."""
+    charged, held = _store_references(chunk, blocks, per_request)
+    print(f"{blocks} blocks, {per_request} a request: {held / blocks:.0f} B of heap a block, charged {charged / blocks:.0f}")
+    assert charged >= held
+
