@@ -65,7 +65,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
     # strict_content_type=False: a JSON body sent with no Content-Type is read as JSON (as OpenAI's
     # API reads it); one sent under another type is a 415 naming the header (server/errors.py).
     app = FastAPI(title="mmkv", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  strict_content_type=False,
+                  strict_content_type=False, generate_unique_id_function=lambda route: route.name,
                   description="OpenAI-compatible multimodal chat with upload-once images and KV reuse.")
     app.state.ctx = ctx
     app.add_middleware(RequestEdge, max_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,
@@ -75,4 +75,14 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
     for router in (files_router(ctx), chat_router(ctx), skills_router(ctx), models_router(ctx)):
         app.include_router(router, responses=_ERROR_RESPONSES)
     app.include_router(ops_router(ctx))
+    _describe_switches(app.openapi(), settings)
     return app
+
+
+def _describe_switches(openapi: dict[str, Any], settings: ServerSettings) -> None:
+    """The published schema (generated once, then served as is) says what this server's switches
+    let a request ask for: with fidelity off, `mmkv.fidelity` may only be false."""
+    if not settings.allow_fidelity:
+        fidelity = openapi["components"]["schemas"]["MMKVOptions"]["properties"]["fidelity"]
+        fidelity["enum"] = [False]
+        fidelity["description"] += " Off on this server (mmkv serve --allow-fidelity): true is a 400."
