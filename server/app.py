@@ -28,6 +28,7 @@ from .routes_ops import ops_router
 from .routes_skills import skills_router
 from .schemas import ErrorResponse
 from .settings import ServerSettings
+from .skill_quota import SkillQuota
 from .worker import EngineWorker
 
 log = logging.getLogger("mmkv.server")
@@ -50,6 +51,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
         files=FileStore(settings.file_store_bytes, settings.key_file_bytes, settings.key_files,
                         durable=tiers.registry if tiers is not None else None),
         images=ImagePreparer(engine.prepare_image, settings.image_threads, settings.max_pending_images),
+        skill_quota=SkillQuota(settings.skill_store_bytes, settings.key_skill_bytes, settings.key_skills),
         model_names=settings.served_model_names or (engine.model_id,), started=int(time.time()))
 
     @asynccontextmanager

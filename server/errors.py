@@ -57,7 +57,7 @@ def error_body(exc: MMKVError) -> dict[str, Any]:
 
 
 def mmkv_error_response(exc: MMKVError, headers: dict[str, str] | None = None) -> JSONResponse:
-    if exc.http_status == 429 and exc.code != "file_quota_exceeded":
+    if exc.http_status == 429 and exc.code not in ("file_quota_exceeded", "skill_quota_exceeded"):
         headers = {**(headers or {}), "Retry-After": "1"}
     return error_json(exc.http_status, exc.message, exc.error_type, exc.code, exc.param, headers)
 

@@ -103,6 +103,10 @@ def chat_router(ctx: ServerContext) -> APIRouter:
                                   "description": "A chat.completion, or with stream=true an SSE stream of chunks."}})
     async def chat_completions(body: ChatCompletionRequest, request: Request, tenant: str = Depends(ctx.tenant_of)):
         ctx.check_model(body.model)
+        if body.mmkv.fidelity and not settings.allow_fidelity:
+            raise UnsupportedParameterError("mmkv.fidelity is off on this server: it runs a full recompute that "
+                                            "stalls every other request (start the server with --allow-fidelity)",
+                                            param="mmkv.fidelity")
         messages = await engine_messages(ctx, body, tenant)
         kwargs = generate_kwargs(body, tenant)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -21,9 +21,12 @@ def skills_router(ctx: ServerContext) -> APIRouter:
                  responses={200: {"links": id_links("skill_id", "get_skill", "delete_skill")}})
     async def create_skill(request: Request, body: SkillCreate, tenant: str = Depends(ctx.tenant_of)) -> SkillObject:
         """Precompile a text skill in isolation; reference it with {"type": "skill", "skill_id": id}."""
+        def add(engine, _should_stop):
+            ctx.skill_quota.check(engine, tenant, body.text, ctx.keys.tenants())  # before any precompile or record
+            return engine.skill_info(engine.add_skill(body.name, body.text, tenant=tenant), tenant=tenant)
+
         try:
-            info, _ = await ctx.run_job(request, lambda engine, _: engine.skill_info(
-                engine.add_skill(body.name, body.text, tenant=tenant), tenant=tenant))
+            info, _ = await ctx.run_job(request, add)
         except InvalidRequestError as exc:
             if (exc.param or "").startswith("messages"):  # the engine checks the text as a message would be
                 exc.param = "text"
