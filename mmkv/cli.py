@@ -97,6 +97,12 @@ def serve(
                                                      help="Uploaded bytes one API key may keep (429).")] = 512.0,
     key_file_quota_count: Annotated[int, typer.Option(envvar="MMKV_KEY_FILE_QUOTA_COUNT",
                                                       help="Uploaded files one API key may keep (429).")] = 10_000,
+    skill_store_gb: Annotated[float, typer.Option(envvar="MMKV_SKILL_STORE_GB",
+                                                  help="Skill KV bytes, all keys together (507).")] = 1.0,
+    key_skill_quota_mb: Annotated[float, typer.Option(envvar="MMKV_KEY_SKILL_QUOTA_MB",
+                                                      help="Skill KV bytes one API key may keep (429).")] = 256.0,
+    key_skill_quota_count: Annotated[int, typer.Option(envvar="MMKV_KEY_SKILL_QUOTA_COUNT",
+                                                       help="Skills one API key may keep (429).")] = 1000,
     image_threads: Annotated[int, typer.Option(envvar="MMKV_IMAGE_THREADS",
                                                help="Threads decoding images before they reach the engine.")] = 2,
     body_timeout_s: Annotated[float, typer.Option(envvar="MMKV_BODY_TIMEOUT_S",
@@ -123,6 +129,9 @@ def serve(
              "a 404.")] = None,
     max_tokens_default: Annotated[int, typer.Option(envvar="MMKV_MAX_TOKENS_DEFAULT",
                                                     help="max_tokens when a request sets none.")] = 512,
+    allow_fidelity: Annotated[bool, typer.Option("--allow-fidelity", envvar="MMKV_ALLOW_FIDELITY",
+                                                 help="Let requests ask for mmkv.fidelity (a second, whole "
+                                                      "forward that stalls every decode). Default: off, a 400.")] = False,
     device: Annotated[str | None, typer.Option(envvar="MMKV_DEVICE",
                                                help="cpu, cuda or cuda:N. Default: cuda when present.")] = None,
     dtype: Annotated[str | None, typer.Option(envvar="MMKV_DTYPE", help="float32, bfloat16 or float16. "
@@ -174,9 +183,11 @@ def serve(
             prefill_chunk=prefill_chunk,
             file_store_bytes=int(file_store_gb * (1 << 30)), max_images_per_request=max_images_per_request,
             key_file_bytes=int(key_file_quota_mb * (1 << 20)), key_files=key_file_quota_count,
+            skill_store_bytes=int(skill_store_gb * (1 << 30)), key_skill_bytes=int(key_skill_quota_mb * (1 << 20)),
+            key_skills=key_skill_quota_count,
             image_threads=image_threads, body_timeout_s=body_timeout_s,
             allowed_image_url_prefixes=tuple(allow_image_url_prefix or ()), default_max_tokens=max_tokens_default,
-            served_model_names=tuple(served_model_name or ()))
+            served_model_names=tuple(served_model_name or ()), allow_fidelity=allow_fidelity)
         limits = ConnectionLimits(max_connections=max_connections, header_timeout_s=header_timeout_s,
                                   keep_alive_s=keep_alive_s, max_header_bytes=max_header_kb << 10,
                                   grace_s=shutdown_grace_s)

@@ -28,6 +28,7 @@ from .routes_ops import ops_router
 from .routes_skills import skills_router
 from .schemas import ErrorResponse
 from .settings import ServerSettings
+from .skill_quota import SkillQuota
 from .worker import EngineWorker
 
 log = logging.getLogger("mmkv.server")
@@ -50,6 +51,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
         files=FileStore(settings.file_store_bytes, settings.key_file_bytes, settings.key_files,
                         durable=tiers.registry if tiers is not None else None),
         images=ImagePreparer(engine.prepare_image, settings.image_threads, settings.max_pending_images),
+        skill_quota=SkillQuota(settings.skill_store_bytes, settings.key_skill_bytes, settings.key_skills),
         model_names=settings.served_model_names or (engine.model_id,), started=int(time.time()))
 
     @asynccontextmanager
@@ -65,7 +67,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
     # strict_content_type=False: a JSON body sent with no Content-Type is read as JSON (as OpenAI's
     # API reads it); one sent under another type is a 415 naming the header (server/errors.py).
     app = FastAPI(title="mmkv", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  strict_content_type=False,
+                  strict_content_type=False, generate_unique_id_function=lambda route: route.name,
                   description="OpenAI-compatible multimodal chat with upload-once images and KV reuse.")
     app.state.ctx = ctx
     app.add_middleware(RequestEdge, max_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s,
@@ -75,4 +77,14 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
     for router in (files_router(ctx), chat_router(ctx), skills_router(ctx), models_router(ctx)):
         app.include_router(router, responses=_ERROR_RESPONSES)
     app.include_router(ops_router(ctx))
+    _describe_switches(app.openapi(), settings)
     return app
+
+
+def _describe_switches(openapi: dict[str, Any], settings: ServerSettings) -> None:
+    """The published schema (generated once, then served as is) says what this server's switches
+    let a request ask for: with fidelity off, `mmkv.fidelity` may only be false."""
+    if not settings.allow_fidelity:
+        fidelity = openapi["components"]["schemas"]["MMKVOptions"]["properties"]["fidelity"]
+        fidelity["enum"] = [False]
+        fidelity["description"] += " Off on this server (mmkv serve --allow-fidelity): true is a 400."

@@ -32,6 +32,13 @@ class KeyRing:
     def enabled(self) -> bool:
         return bool(self._keys)
 
+    def tenants(self) -> tuple[str, ...]:
+        """Every key's tenant ("" alone when keys are off)."""
+        return tuple(self._tenant(k) for k in self._keys) if self._keys else ("",)
+
+    def _tenant(self, key: bytes) -> str:
+        return hmac.new(self._secret, key, hashlib.sha256).hexdigest()[:32]
+
     def tenant_for(self, authorization: str | None) -> str:
         """The tenant of a request's Authorization header; "" when keys are off.
         Raises AuthenticationError on a missing or unknown key."""
@@ -44,4 +51,4 @@ class KeyRing:
         # Compare against every key so the time taken does not say which one nearly matched.
         if not any([hmac.compare_digest(key, k) for k in self._keys]):
             raise AuthenticationError("incorrect API key provided")
-        return hmac.new(self._secret, key, hashlib.sha256).hexdigest()[:32]
+        return self._tenant(key)

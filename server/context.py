@@ -16,6 +16,7 @@ from .files import FileStore
 from .image_prep import ImagePreparer
 from .metrics import ServerMetrics
 from .settings import ServerSettings
+from .skill_quota import SkillQuota
 from .worker import EngineWorker, Job, JobFn, WorkerStoppedError
 
 
@@ -27,6 +28,7 @@ class ServerContext:
     metrics: ServerMetrics
     settings: ServerSettings
     images: ImagePreparer
+    skill_quota: SkillQuota
     model_names: tuple[str, ...]  # what a request's `model` may say; the first is reported (served_model_names)
     started: int  # unix seconds
     # Set when the shutdown grace period is over: running jobs are cancelled, streams end.

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 
 from mmkv.errors import MMKVError
 
@@ -56,7 +57,7 @@ def error_body(exc: MMKVError) -> dict[str, Any]:
 
 
 def mmkv_error_response(exc: MMKVError, headers: dict[str, str] | None = None) -> JSONResponse:
-    if exc.http_status == 429 and exc.code != "file_quota_exceeded":
+    if exc.http_status == 429 and exc.code not in ("file_quota_exceeded", "skill_quota_exceeded"):
         headers = {**(headers or {}), "Retry-After": "1"}
     return error_json(exc.http_status, exc.message, exc.error_type, exc.code, exc.param, headers)
 
@@ -82,6 +83,19 @@ def field_path(loc: tuple[Any, ...]) -> str | None:
 def _is_json_type(content_type: str) -> bool:
     kind = content_type.split(";")[0].strip().lower()
     return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def allowed_methods(request: Request, starlette_allow: str) -> list[str]:
+    """Every method the request's path answers to, as /openapi.json documents them (HEAD with
+    GET). Starlette's own 405 names only the first route whose path matched, while a path such as
+    /v1/files has one route per method."""
+    methods = {m.strip() for m in starlette_allow.split(",") if m.strip()}
+    for template, operations in request.app.openapi()["paths"].items():
+        if compile_path(template)[0].match(request.url.path):
+            methods |= {method.upper() for method in operations}
+    if "GET" in methods:
+        methods.add("HEAD")
+    return sorted(methods)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -120,13 +134,15 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_json(400, message, "invalid_request_error", "invalid_schema", param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400:  # FastAPI could not decode the body at all
             return error_json(400, "the request body could not be read: it must be JSON, encoded as UTF-8",
                               "invalid_request_error", "invalid_json")
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_json(exc.status_code, str(exc.detail), "invalid_request_error", code,
-                          headers=getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None) or {}
+        if exc.status_code == 405:
+            headers = {**headers, "Allow": ", ".join(allowed_methods(request, headers.get("Allow", "")))}
+        return error_json(exc.status_code, str(exc.detail), "invalid_request_error", code, headers=headers)
 
     @app.exception_handler(Exception)
     async def unexpected(_request: Request, exc: Exception) -> JSONResponse:

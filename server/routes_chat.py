@@ -60,11 +60,45 @@ class _Logprobs(list):
 
 def chat_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
-    settings = ctx.settings
+    chat = ChatCompletions(ctx)
 
-    def generate_kwargs(body: ChatCompletionRequest, tenant: str) -> dict[str, Any]:
+    @router.post("/v1/chat/completions", response_model=ChatCompletion,
+                 responses={200: {"content": {"text/event-stream": {}},
+                                  "description": "A chat.completion, or with stream=true an SSE stream of chunks."}})
+    async def chat_completions(body: ChatCompletionRequest, request: Request, tenant: str = Depends(ctx.tenant_of)):
+        return await chat.answer(request, body, tenant)
+
+    return router
+
+
+class ChatCompletions:
+    """One chat request's stages: check, resolve the messages, submit the generation, then answer
+    whole (`complete`) or as an SSE stream (`stream`: the first item held back so that a prompt
+    the engine refuses is still an HTTP error status, then `events`)."""
+
+    def __init__(self, ctx: ServerContext):
+        self.ctx = ctx
+
+    async def answer(self, request: Request, body: ChatCompletionRequest, tenant: str):
+        self.check(body)
+        messages = await engine_messages(self.ctx, body, tenant)
+        kwargs = self.generate_kwargs(body, tenant)
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            return await self.stream(request, body, messages, kwargs, completion_id)
+        return await self.complete(request, body, messages, kwargs, completion_id)
+
+    def check(self, body: ChatCompletionRequest) -> None:
+        """What the server's settings refuse: another model's name (404), fidelity while it is off."""
+        self.ctx.check_model(body.model)
+        if body.mmkv.fidelity and not self.ctx.settings.allow_fidelity:
+            raise UnsupportedParameterError("mmkv.fidelity is off on this server: it runs a full recompute that "
+                                            "stalls every other request (start the server with --allow-fidelity)",
+                                            param="mmkv.fidelity")
+
+    def generate_kwargs(self, body: ChatCompletionRequest, tenant: str) -> dict[str, Any]:
         return dict(
-            max_new_tokens=body.max_completion_tokens or body.max_tokens or settings.default_max_tokens,
+            max_new_tokens=body.max_completion_tokens or body.max_tokens or self.ctx.settings.default_max_tokens,
             temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0), seed=body.seed,
             stop=body.stop_list(), presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, logit_bias=body.token_logit_bias(), logprobs=body.logprobs,
@@ -73,15 +107,28 @@ def chat_router(ctx: ServerContext) -> APIRouter:
             tenant=tenant, tools=body.tools, tool_choice=body.tool_choice,
         )
 
-    def report(request: Request, job: Job, result) -> tuple[MMKVReport, Usage]:
+    async def complete(self, request: Request, body: ChatCompletionRequest, messages, kwargs,
+                       completion_id: str) -> ChatCompletion | Response:
+        job = self.ctx.worker.submit_generation(messages, kwargs)
+        result = await self.ctx.until_done(request, job, asyncio.wrap_future(job.future))
+        if result.finish_reason == "cancelled":  # the client left as the job finished
+            return Response(status_code=499)
+        mmkv_report, usage = self.report(request, job, result)
+        logprobs = _choice_logprobs(result.logprobs) if body.logprobs else None
+        return ChatCompletion(id=completion_id, created=int(time.time()), model=self.ctx.model_id, usage=usage,
+                              mmkv=mmkv_report,
+                              choices=[Choice(message=_message(body, result), logprobs=logprobs,
+                                              finish_reason=result.finish_reason)])
+
+    def report(self, request: Request, job: Job, result) -> tuple[MMKVReport, Usage]:
         """The response's mmkv report and usage; records the request's metrics."""
         arrived = request.scope[ARRIVED]
         ttft_s = job.started_at - arrived + result.ttft_s
         u = result.usage
-        ctx.metrics.observe_completion(ttft_s=ttft_s, e2e_s=time.perf_counter() - arrived,
-                                       prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
-                                       completion_tokens=u.completion_tokens,
-                                       image_tokens_reused=result.image_tokens_reused)
+        self.ctx.metrics.observe_completion(ttft_s=ttft_s, e2e_s=time.perf_counter() - arrived,
+                                            prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
+                                            completion_tokens=u.completion_tokens,
+                                            image_tokens_reused=result.image_tokens_reused)
         usage = Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                       total_tokens=u.prompt_tokens + u.completion_tokens,
                       prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))
@@ -99,113 +146,117 @@ def chat_router(ctx: ServerContext) -> APIRouter:
             "image_tokens_reused": result.image_tokens_reused, "vision_tower_runs": result.vision_tower_runs})
         return mmkv_report, usage
 
-    @router.post("/v1/chat/completions", response_model=ChatCompletion,
-                 responses={200: {"content": {"text/event-stream": {}},
-                                  "description": "A chat.completion, or with stream=true an SSE stream of chunks."}})
-    async def chat_completions(body: ChatCompletionRequest, request: Request, tenant: str = Depends(ctx.tenant_of)):
-        ctx.check_model(body.model)
-        messages = await engine_messages(ctx, body, tenant)
-        kwargs = generate_kwargs(body, tenant)
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        if body.stream:
-            return await stream_chat(request, body, messages, kwargs, completion_id)
-        job = ctx.worker.submit_generation(messages, kwargs)
-        result = await ctx.until_done(request, job, asyncio.wrap_future(job.future))
-        if result.finish_reason == "cancelled":  # the client left as the job finished
-            return Response(status_code=499)
-        mmkv_report, usage = report(request, job, result)
-        logprobs = _choice_logprobs(result.logprobs) if body.logprobs else None
-        return ChatCompletion(id=completion_id, created=int(time.time()), model=ctx.model_id, usage=usage,
-                              mmkv=mmkv_report,
-                              choices=[Choice(message=_message(body, result), logprobs=logprobs,
-                                              finish_reason=result.finish_reason)])
-
-    async def stream_chat(request: Request, body: ChatCompletionRequest, messages, kwargs, completion_id: str):
+    async def stream(self, request: Request, body: ChatCompletionRequest, messages, kwargs,
+                     completion_id: str) -> StreamingResponse:
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
 
         def put(item) -> None:  # runs on the scheduler thread
             loop.call_soon_threadsafe(items.put_nowait, item)
 
-        job = ctx.worker.submit_generation(messages, dict(
+        job = self.ctx.worker.submit_generation(messages, dict(
             kwargs, on_text=put, on_logprobs=(lambda lps: put(_Logprobs(lps))) if body.logprobs else None))
         # Scheduled after every callback of the job, so _END arrives after the last item.
         job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(items.put_nowait, _END))
-        # Hold the headers until the first item or the end: a prompt the engine rejects is still
-        # an HTTP error status, not a 200 with an error inside the stream.
+        first = await self.first_item(request, job, items)
+        sse = _SSE(completion_id, int(time.time()), self.ctx.model_id)
+        return StreamingResponse(self.events(request, body, job, items, first, sse), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def first_item(self, request: Request, job: Job, items: asyncio.Queue):
+        """Hold the headers until the first item or the end: a prompt the engine rejects is still
+        an HTTP error status, not a 200 with an error inside the stream."""
         first_item = asyncio.ensure_future(items.get())
         try:
-            first = await ctx.until_done(request, job, first_item)
+            first = await self.ctx.until_done(request, job, first_item)
         finally:
             first_item.cancel()
         if first is _END and job.future.exception() is not None:
             raise job.future.exception()
-        created = int(time.time())
+        return first
 
-        def chunk(delta: Delta, finish_reason=None, logprobs=None, **extra) -> str:
-            choice = ChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)
-            data = ChatCompletionChunk(id=completion_id, created=created, model=ctx.model_id, choices=[choice],
-                                       **extra)
-            return f"data: {data.model_dump_json(exclude_none=True)}\n\n"
-
-        def error_event(error: MMKVError) -> str:
-            return f"data: {json.dumps({'error': error_body(error)})}\n\n"
-
-        async def events() -> AsyncIterator[str]:
-            # Starlette cancels this generator when the client goes away; the watcher also covers
-            # servers that only report it on the next send.
-            watcher = asyncio.ensure_future(disconnected(request))
-            watcher.add_done_callback(lambda w: w.cancelled() or ctx.cancel(job))
-            deadline = asyncio.ensure_future(ctx.shutdown_deadline.wait())
-            try:
-                yield chunk(Delta(role="assistant", content=""))
-                item, pending_logprobs = first, []
-                while item is not _END:
-                    if isinstance(item, _Logprobs):
-                        pending_logprobs.extend(item)
-                    elif item:
-                        yield chunk(Delta(content=item), logprobs=_chunk_logprobs(pending_logprobs, body.logprobs))
-                        pending_logprobs = []
-                    next_item = asyncio.ensure_future(items.get())
-                    await asyncio.wait({next_item, deadline}, return_when=asyncio.FIRST_COMPLETED)
-                    if not next_item.done():  # the shutdown grace period is over: end the stream properly
-                        next_item.cancel()
-                        ctx.cancel(job)
-                        yield error_event(WorkerStoppedError("the server is shutting down; this stream ran past "
-                                                             "its grace period"))
-                        yield "data: [DONE]\n\n"
-                        return
-                    item = next_item.result()
-                if pending_logprobs:  # tokens that produced no text (a stop string, an unfinished character)
-                    yield chunk(Delta(content=""), logprobs=_chunk_logprobs(pending_logprobs, True))
-                if (exc := job.future.exception()) is not None:
-                    if not isinstance(exc, MMKVError):
-                        log.error("generation failed mid-stream", exc_info=exc)
-                        exc = _internal_error()
-                    yield error_event(exc)
-                    yield "data: [DONE]\n\n"
+    async def events(self, request: Request, body: ChatCompletionRequest, job: Job, items: asyncio.Queue, first,
+                     sse: _SSE) -> AsyncIterator[str]:
+        ctx = self.ctx
+        # Starlette cancels this generator when the client goes away; the watcher also covers
+        # servers that only report it on the next send.
+        watcher = asyncio.ensure_future(disconnected(request))
+        watcher.add_done_callback(lambda w: w.cancelled() or ctx.cancel(job))
+        deadline = asyncio.ensure_future(ctx.shutdown_deadline.wait())
+        try:
+            yield sse.chunk(Delta(role="assistant", content=""))
+            item, pending_logprobs = first, []
+            while item is not _END:
+                if isinstance(item, _Logprobs):
+                    pending_logprobs.extend(item)
+                elif item:
+                    yield sse.chunk(Delta(content=item), logprobs=_chunk_logprobs(pending_logprobs, body.logprobs))
+                    pending_logprobs = []
+                next_item = asyncio.ensure_future(items.get())
+                await asyncio.wait({next_item, deadline}, return_when=asyncio.FIRST_COMPLETED)
+                if not next_item.done():  # the shutdown grace period is over: end the stream properly
+                    next_item.cancel()
+                    ctx.cancel(job)
+                    yield sse.error(WorkerStoppedError("the server is shutting down; this stream ran past its "
+                                                       "grace period"))
+                    yield _DONE
                     return
-                result = job.future.result()
-                if result.finish_reason == "cancelled":  # the client has gone; nobody to tell
-                    return
-                mmkv_report, usage = report(request, job, result)
-                if calls := _tool_calls(body, result):  # whole calls in one delta: clients accumulate them
-                    yield chunk(Delta(tool_calls=[dict(index=i, **c) for i, c in enumerate(calls)]))
-                yield chunk(Delta(), finish_reason=result.finish_reason, mmkv=mmkv_report)
-                if body.stream_options and body.stream_options.include_usage:
-                    data = ChatCompletionChunk(id=completion_id, created=created, model=ctx.model_id, choices=[],
-                                               usage=usage)
-                    yield f"data: {data.model_dump_json(exclude_none=True)}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:
-                watcher.cancel()
-                deadline.cancel()
-                ctx.cancel(job)
+                item = next_item.result()
+            if pending_logprobs:  # tokens that produced no text (a stop string, an unfinished character)
+                yield sse.chunk(Delta(content=""), logprobs=_chunk_logprobs(pending_logprobs, True))
+            async for event in self.ending(request, body, job, sse):
+                yield event
+        finally:
+            watcher.cancel()
+            deadline.cancel()
+            ctx.cancel(job)
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    async def ending(self, request: Request, body: ChatCompletionRequest, job: Job, sse: _SSE) -> AsyncIterator[str]:
+        """The stream's last events: the error event, or the tool calls, the finishing chunk with
+        the mmkv report, the usage chunk when asked for, and [DONE]."""
+        if (exc := job.future.exception()) is not None:
+            if not isinstance(exc, MMKVError):
+                log.error("generation failed mid-stream", exc_info=exc)
+                exc = _internal_error()
+            yield sse.error(exc)
+            yield _DONE
+            return
+        result = job.future.result()
+        if result.finish_reason == "cancelled":  # the client has gone; nobody to tell
+            return
+        mmkv_report, usage = self.report(request, job, result)
+        if calls := _tool_calls(body, result):  # whole calls in one delta: clients accumulate them
+            yield sse.chunk(Delta(tool_calls=[dict(index=i, **c) for i, c in enumerate(calls)]))
+        yield sse.chunk(Delta(), finish_reason=result.finish_reason, mmkv=mmkv_report)
+        if body.stream_options and body.stream_options.include_usage:
+            yield sse.event(ChatCompletionChunk(id=sse.completion_id, created=sse.created, model=sse.model,
+                                                choices=[], usage=usage))
+        yield _DONE
 
-    return router
+
+_DONE = "data: [DONE]\n\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class _SSE:
+    """One stream's events, each a `data:` line of JSON."""
+
+    completion_id: str
+    created: int
+    model: str
+
+    def chunk(self, delta: Delta, finish_reason=None, logprobs=None, **extra) -> str:
+        choice = ChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)
+        return self.event(ChatCompletionChunk(id=self.completion_id, created=self.created, model=self.model,
+                                              choices=[choice], **extra))
+
+    @staticmethod
+    def event(data: ChatCompletionChunk) -> str:
+        return f"data: {data.model_dump_json(exclude_none=True)}\n\n"
+
+    @staticmethod
+    def error(error: MMKVError) -> str:
+        return f"data: {json.dumps({'error': error_body(error)})}\n\n"
 
 
 def _tool_calls(body: ChatCompletionRequest, result) -> list[dict[str, Any]]:

@@ -6,29 +6,29 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
-from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
+from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
 
 from mmkv.errors import InvalidImageError, InvalidRequestError, UnknownImageError
 
 from .context import ServerContext
 from .files import FileQuotaError, FileStoreFullError, StoredFile, new_stored_file
 from .pagination import PageQuery, page_query, paginate
-from .schemas import FileDeleted, FileList, FileObject, UnsupportedParameterError
+from .schemas import FileDeleted, FileList, FileObject, UnsupportedParameterError, id_links
 
 
 def files_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
     files = ctx.files
 
-    @router.post("/v1/files", response_model=FileObject)
-    async def upload_file(request: Request, file: UploadFile = File(...), purpose: str = Form("vision"),
-                          tenant: str = Depends(ctx.tenant_of)) -> FileObject:
+    @router.post("/v1/files", response_model=FileObject, openapi_extra=_UPLOAD_BODY,
+                 responses={200: {"links": id_links("file_id", "get_file", "get_file_content", "delete_file")}})
+    async def upload_file(request: Request, tenant: str = Depends(ctx.tenant_of)) -> FileObject:
         """Store an image, decode and check it, and precompile its KV. Same bytes, same id."""
-        if purpose != "vision":
-            raise InvalidRequestError(f"purpose must be 'vision', got {purpose!r}", param="purpose")
-        _only_file_and_purpose(await request.form())
+        file = await _uploaded_file(request)
         data = await file.read()
         if not data:
             raise InvalidImageError("the uploaded file is empty", param="file")
@@ -54,7 +54,7 @@ def files_router(ctx: ServerContext) -> APIRouter:
                          tenant: str = Depends(ctx.tenant_of)) -> FileList:
         """This key's files, newest first by default; OpenAI's cursor pagination."""
         listed = await run_in_threadpool(files.list, tenant) if purpose in (None, "vision") else []
-        p = paginate(listed, lambda f: f.id, page)
+        p = paginate(listed, lambda f: f.id, page, UnknownImageError)
         return FileList(data=[_file_object(f) for f in p.items], first_id=p.first_id, last_id=p.last_id,
                         has_more=p.has_more)
 
@@ -84,6 +84,28 @@ def files_router(ctx: ServerContext) -> APIRouter:
         return FileDeleted(id=file_id)
 
     return router
+
+
+# The upload form as `_uploaded_file` reads it: one image in `file`, `purpose` "vision", nothing else.
+_UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {
+    "schema": {"type": "object", "required": ["file"], "additionalProperties": False, "properties": {
+        "file": {"type": "string", "format": "binary", "minLength": 1,
+                 "description": "One image: PNG, JPEG, GIF, WebP or another format Pillow decodes."},
+        "purpose": {"type": "string", "enum": ["vision"], "default": "vision"}}},
+    "encoding": {"file": {"contentType": "image/png, image/jpeg, image/gif, image/webp"}}}}}}
+
+
+async def _uploaded_file(request: Request) -> UploadFile:
+    """The form's one file, once its other fields passed the checks `_UPLOAD_BODY` publishes."""
+    form = await request.form()
+    purpose = form.get("purpose", "vision")
+    if purpose != "vision":
+        raise InvalidRequestError(f"purpose must be 'vision', got {purpose!r}", param="purpose")
+    _only_file_and_purpose(form)
+    file = form.get("file")
+    if not isinstance(file, UploadFile):  # as FastAPI words a missing field
+        raise RequestValidationError([{"type": "missing", "loc": ("body", "file"), "msg": "Field required"}])
+    return file
 
 
 def _only_file_and_purpose(form) -> None:

@@ -11,18 +11,22 @@ from mmkv.errors import InvalidRequestError, UnknownSkillError
 
 from .context import ServerContext
 from .pagination import PageQuery, page_query, paginate
-from .schemas import SkillCreate, SkillDeleted, SkillList, SkillObject
+from .schemas import SkillCreate, SkillDeleted, SkillList, SkillObject, id_links
 
 
 def skills_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/skills", response_model=SkillObject)
+    @router.post("/v1/skills", response_model=SkillObject,
+                 responses={200: {"links": id_links("skill_id", "get_skill", "delete_skill")}})
     async def create_skill(request: Request, body: SkillCreate, tenant: str = Depends(ctx.tenant_of)) -> SkillObject:
         """Precompile a text skill in isolation; reference it with {"type": "skill", "skill_id": id}."""
+        def add(engine, _should_stop):
+            ctx.skill_quota.check(engine, tenant, body.text, ctx.keys.tenants())  # before any precompile or record
+            return engine.skill_info(engine.add_skill(body.name, body.text, tenant=tenant), tenant=tenant)
+
         try:
-            info, _ = await ctx.run_job(request, lambda engine, _: engine.skill_info(
-                engine.add_skill(body.name, body.text, tenant=tenant), tenant=tenant))
+            info, _ = await ctx.run_job(request, add)
         except InvalidRequestError as exc:
             if (exc.param or "").startswith("messages"):  # the engine checks the text as a message would be
                 exc.param = "text"
@@ -34,7 +38,7 @@ def skills_router(ctx: ServerContext) -> APIRouter:
                           tenant: str = Depends(ctx.tenant_of)) -> SkillList:
         """This key's skills, newest first by default; OpenAI's cursor pagination."""
         infos, _ = await ctx.run_job(request, lambda engine, _: engine.list_skills(tenant))
-        p = paginate(sorted(infos, key=lambda i: i.created_at), lambda i: i.skill_id, page)
+        p = paginate(sorted(infos, key=lambda i: i.created_at), lambda i: i.skill_id, page, UnknownSkillError)
         return SkillList(data=[_skill_object(i) for i in p.items], first_id=p.first_id, last_id=p.last_id,
                          has_more=p.has_more)
 

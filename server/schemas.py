@@ -10,13 +10,41 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from mmkv.errors import InvalidRequestError
+from mmkv.request.messages import RESERVED_TOKENS
+from mmkv.request.tools import MAX_TOOLS
 
 from .errors import field_path
 
 # ---------------------------------------------------------------- requests
+
+
+def _integral(value: Any) -> Any:
+    """JSON has one number type: 3.0 is the integer 3 (as JSON Schema reads it); 3.5 and "3" are not."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+JSONInt = Annotated[int, BeforeValidator(_integral)]
+# The bounds sit inside the type (not on the field) so that the schema of `X | None` keeps them.
+PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
+NonNegativeInt = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
+
+# Text a client may not send (mmkv.request.messages.check_text; 400 naming where).
+NO_RESERVED_TOKEN = {"not": {"pattern": "|".join(token.replace("|", "\\|") for token in RESERVED_TOKENS)}}
+# Some character that Python's str.strip() keeps: a name or text of whitespace alone is refused.
+NOT_BLANK = r"[^\t\n\v\f\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
 
 
 _PART = ConfigDict(extra="forbid")  # a key a part does not define is refused, not dropped
@@ -25,13 +53,13 @@ _PART = ConfigDict(extra="forbid")  # a key a part does not define is refused, n
 class TextPart(BaseModel):
     model_config = _PART
     type: Literal["text"]
-    text: str
+    text: str = Field(json_schema_extra=NO_RESERVED_TOKEN)
 
 
 class ImageURL(BaseModel):
     model_config = _PART
     url: str
-    detail: Literal["auto", "low", "high"] | None = None
+    detail: Literal["auto", "low", "high"] | None = Field(None, json_schema_extra={"enum": ["auto", None]})  # others: 400
 
 
 class ImageURLPart(BaseModel):
@@ -76,6 +104,25 @@ class StateUpdatePart(BaseModel):
 ContentPart = Annotated[TextPart | ImageURLPart | ImageFilePart | SkillPart | StateUpdatePart,
                         Field(discriminator="type")]
 _content_part = TypeAdapter(ContentPart)
+
+
+def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with its local `$defs` references written out (none of them recursive)."""
+    defs = schema.pop("$defs", {})
+    schema.pop("discriminator", None)  # its mapping names $defs entries; `oneOf` says the same alone
+
+    def expand(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return expand(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {key: expand(value) for key, value in node.items()}
+        return [expand(item) for item in node] if isinstance(node, list) else node
+
+    return expand(schema)
+
+
+# Published as the schema of a message's parts, which the route checks one by one (parse_content_part).
+CONTENT_PART_SCHEMA = _inlined(_content_part.json_schema())
 PART_TYPES = "'text', 'image_url', 'image_file', 'skill' or 'state_update'"
 
 
@@ -97,6 +144,15 @@ def parse_content_part(raw: Any, param: str) -> TextPart | ImageURLPart | ImageF
         raise InvalidRequestError(message, param=param) from None
 
 
+# A function tool as mmkv.request.tools.check_tools accepts it (names unique within a request).
+_TOOL_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+_FUNCTION_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": _TOOL_NAME, "description": {"type": "string", **NO_RESERVED_TOKEN},
+        "parameters": {"type": "object"}, "strict": {"enum": [False, None]}}}}}
+
+
 # OpenAI's chat-completions request fields that mmkv does not implement, each with the values that
 # mean "off" (accepted, since they ask for nothing); any other value is a 400 naming the field.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -110,7 +166,10 @@ _MESSAGE_UNSUPPORTED = {"name": (), "function_call": (), "refusal": (), "audio":
 _MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4  # stop strings per request, as OpenAI
 MAX_STOP_CHARS = 256
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 INT64 = (-(2**63), 2**63 - 1)
+# < 2**63 rather than <= 2**63 - 1: the same integers, and a bound a validator comparing in float64 keeps.
+Int64 = Annotated[int, Field(ge=INT64[0], lt=INT64[1] + 1), BeforeValidator(_integral)]
 
 
 class UnsupportedParameterError(InvalidRequestError):
@@ -141,10 +200,27 @@ def check_unicode(value: Any, param: str) -> None:
             check_unicode(item, f"{param}[{i}]")
 
 
+def _message_schema(schema: dict[str, Any]) -> None:
+    """What `_message` and the chat route accept, in the published schema: any other key only as
+    null, `tool_calls` only on an assistant message, `tool_call_id` only on a tool message, and
+    `content` on every message but an assistant's (which may carry only tool calls)."""
+    schema["additionalProperties"] = {"type": "null"}
+    schema["allOf"] = [_only_with_role("tool_calls", "assistant"), _only_with_role("tool_call_id", "tool"),
+                       {"not": {"properties": {"role": {"not": {"const": "assistant"}}, "content": {"type": "null"}}}}]
+
+
+def _only_with_role(key: str, role: str) -> dict[str, Any]:
+    return {"not": {"required": [key], "properties": {key: {"not": {"type": "null"}},
+                                                      "role": {"not": {"const": role}}}}}
+
+
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(json_schema_extra=_message_schema)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # Parts stay raw here and go through parse_content_part: a bad part is a 400 naming the part.
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[str | list[dict[str, Any]] | None, WithJsonSchema({"anyOf": [
+        {"type": "string", **NO_RESERVED_TOKEN}, {"type": "array", "items": CONTENT_PART_SCHEMA}, {"type": "null"}]})] = None
     tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made (checked by the engine)
     tool_call_id: str | None = None  # tool: which call this is the result of
 
@@ -161,7 +237,7 @@ class MMKVOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     reuse: bool = Field(True, description="Splice cached image/prefix KV. False recomputes everything (the reference).")
-    seam_tokens: int | None = Field(None, ge=0, description="Tokens recomputed after each spliced chunk.")
+    seam_tokens: NonNegativeInt | None = Field(None, description="Tokens recomputed after each spliced chunk.")
     rope_policy: str | None = Field(None, description="How cached keys are moved to new positions.")
     edit_policy: str | None = Field(None, description="What to do when the prompt equals a recent one but for a "
                                     "changed field: recompute, erratum, in_place or selective@K.")
@@ -173,26 +249,38 @@ class ChatCompletionRequest(BaseModel):
     """OpenAI's fields, each implemented or refused (400 `unsupported_parameter` naming it); null
     means unset, as in OpenAI's API. Types are strict: "5" is not an integer, true is not 1."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # NaN: "a finite number"
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,  # NaN: "a finite number"
+                              json_schema_extra=lambda schema: _request_schema(schema))
 
     model: str = Field(description="One of the names /v1/models lists (404 `model_not_found` otherwise).")
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="Sample from the k most likely tokens; 0 or -1: off (vLLM's extension).")
+    top_k: JSONInt = Field(0, ge=-1, description="Sample from the k most likely tokens; 0 or -1: off (vLLM's extension).")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(None, description="Token id (decimal string) -> bias in [-100, 100].")
+    logit_bias: Annotated[dict[str, float] | None, WithJsonSchema({"anyOf": [
+        {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+        {"type": "null"}]})] = Field(None, description="Token id (decimal string) -> bias in [-100, 100].")
     logprobs: bool = False
-    top_logprobs: int = Field(0, ge=0, le=20)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
-    n: int = Field(1, ge=1, description="Only 1 (more is a 400 unsupported_parameter).")
-    tools: list[dict[str, Any]] | None = Field(None, description="Function tools, rendered by the model's chat "
+    top_logprobs: JSONInt = Field(0, ge=0, le=20)
+    stop: Annotated[str | list[str] | None, WithJsonSchema({"anyOf": [
+        _STOP_STRING, {"type": "array", "items": _STOP_STRING, "maxItems": MAX_STOP}, {"type": "null"}]})] = None
+    seed: Int64 | None = None
+    n: JSONInt = Field(1, ge=1, description="Only 1 (more is a 400 unsupported_parameter).",
+                   json_schema_extra={"maximum": 1})
+    tools: Annotated[list[dict[str, Any]] | None, WithJsonSchema(
+        {"anyOf": [{"type": "array", "items": _FUNCTION_TOOL, "maxItems": MAX_TOOLS}, {"type": "null"}]})] = Field(None, description="Function tools, rendered by the model's chat "
                                                "template (400 where it has none).")
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Annotated[str | dict[str, Any] | None, WithJsonSchema({"anyOf": [
+        {"enum": ["auto", "none", "required"]},
+        {"type": "object", "required": ["type", "function"], "properties": {
+            "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "properties": {"name": _TOOL_NAME}}}},
+        {"type": "null"}]})] = None
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (the first).")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -269,6 +357,40 @@ class ChatCompletionRequest(BaseModel):
         return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
 
+def _request_schema(schema: dict[str, Any]) -> None:
+    """The published schema says what `_refuse_what_is_not_implemented` and `_combinations` accept:
+    null for any optional field (unset), the fields that never change an answer with any value,
+    OpenAI's unimplemented fields only at their "off" values, any other key only as null, and the
+    pairs that go together."""
+    properties, required = schema["properties"], set(schema.get("required", ()))
+    for name, prop in properties.items():
+        if name not in required and not _allows_null(prop):
+            meta = {key: prop.pop(key) for key in ("title", "description", "default") if key in prop}
+            properties[name] = {"anyOf": [prop, {"type": "null"}], **meta}
+    for name in _NO_EFFECT:
+        properties[name] = {"description": "Accepted and ignored: by OpenAI's definition it never changes an answer."}
+    for name, off_values in _UNSUPPORTED.items():
+        if off_values:
+            properties[name] = {"enum": [*off_values, None], "description": "Not implemented: only 'off' is accepted."}
+    schema["additionalProperties"] = {"type": "null"}
+    schema["allOf"] = [
+        {"not": {"required": ["max_tokens", "max_completion_tokens"],  # both set: one would be ignored
+                 "properties": {"max_tokens": {"type": "integer"}, "max_completion_tokens": {"type": "integer"}}}},
+        {"not": {"required": ["top_logprobs"],  # top_logprobs needs logprobs
+                 "properties": {"top_logprobs": {"type": "integer", "minimum": 1},
+                                "logprobs": {"not": {"const": True}}}}},
+        {"not": {"required": ["stream_options"],  # stream_options needs stream
+                 "properties": {"stream_options": {"type": "object"}, "stream": {"not": {"const": True}}}}},
+        {"not": {"required": ["parallel_tool_calls"],  # parallel_tool_calls needs tools
+                 "properties": {"parallel_tool_calls": {"type": "boolean"},
+                                "tools": {"not": {"type": "array", "minItems": 1}}}}},
+    ]
+
+
+def _allows_null(prop: dict[str, Any]) -> bool:
+    return prop.get("type") == "null" or any(_allows_null(p) for p in prop.get("anyOf", ()))
+
+
 def _is_off(value: Any, off_values: tuple[Any, ...]) -> bool:
     return any(type(value) is type(off) and value == off for off in off_values)  # False is off, 0 is not
 
@@ -329,8 +451,8 @@ class SkillCreate(BaseModel):
         check_unicode(raw, "")
         return raw
 
-    name: str = Field(min_length=1, max_length=256)
-    text: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=256, pattern=NOT_BLANK)
+    text: str = Field(min_length=1, pattern=NOT_BLANK, json_schema_extra=NO_RESERVED_TOKEN)
 
 
 class SkillObject(BaseModel):
@@ -452,6 +574,12 @@ class Model(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[Model]
+
+
+def id_links(param: str, *operation_ids: str) -> dict[str, Any]:
+    """OpenAPI links from a created object's `id` to the operations that take it as `param`, so a
+    client generator or a stateful API fuzzer can follow a create to its object."""
+    return {op: {"operationId": op, "parameters": {param: "$response.body#/id"}} for op in operation_ids}
 
 
 class ErrorBody(BaseModel):

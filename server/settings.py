@@ -1,4 +1,4 @@
-"""The server's limits, one frozen dataclass; `mmkv serve` fills it from flags (docs/server.md)."""
+"""The server's limits and switches, one frozen dataclass; `mmkv serve` fills it from flags (docs/server.md)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,17 @@ class ServerSettings:
     file_store_bytes: int = 2 << 30  # uploaded image bytes kept, all tenants together (507)
     key_file_bytes: int = 512 << 20  # uploaded bytes one API key may keep (429 file_quota_exceeded)
     key_files: int = 10_000  # uploaded files one API key may keep
+    skill_store_bytes: int = 1 << 30  # skill KV bytes, all keys together (507 skill_store_full)
+    key_skill_bytes: int = 256 << 20  # skill KV bytes one API key may keep (429 skill_quota_exceeded)
+    key_skills: int = 1000  # skills one API key may keep
     max_images_per_request: int = 16
     image_threads: int = 2  # threads decoding and resizing images before their job is queued
     max_pending_images: int = 64  # images waiting for those threads before new ones get 429
     allowed_image_url_prefixes: tuple[str, ...] = ()  # e.g. "https://images.example.com/", "file:///srv/img/"
     default_max_tokens: int = 512
+    # mmkv.fidelity runs a second, whole forward under the engine lock (every decode waits): an
+    # operator's diagnostic, off unless asked for; a request that asks while it is off is a 400.
+    allow_fidelity: bool = False
     # The names a chat request's `model` may carry, as vLLM's --served-model-name: the first is the one
     # responses and /v1/models report. Empty: the engine's own model id. Any other name is a 404.
     served_model_names: tuple[str, ...] = ()
@@ -31,6 +37,7 @@ class ServerSettings:
         assert self.prefill_chunk >= 0, "prefill_chunk must be >= 0 (0: prefills are not chunked)"
         assert self.max_body_bytes > 0 and self.file_store_bytes > 0, "byte limits must be positive"
         assert self.key_file_bytes > 0 and self.key_files > 0, "per-key quotas must be positive"
+        assert min(self.skill_store_bytes, self.key_skill_bytes, self.key_skills) > 0, "skill quotas must be positive"
         assert self.body_timeout_s > 0, "body_timeout_s must be positive"
         assert self.max_images_per_request >= 0, "max_images_per_request must be >= 0"
         assert self.image_threads >= 1 and self.max_pending_images >= 1, "image_threads and max_pending_images >= 1"

@@ -17,7 +17,8 @@ POLICY = "refund policy . refunds only for delivered orders reported damaged wit
 
 @pytest.fixture(scope="module")
 def live(tiny_dir):  # noqa: F811
-    server = LiveServer(create_app(mmkv.Engine.from_pretrained(tiny_dir), ServerSettings(api_keys=("k1", "k2"), served_model_names=("tiny",))))
+    settings = ServerSettings(api_keys=("k1", "k2"), served_model_names=("tiny",), allow_fidelity=True)
+    server = LiveServer(create_app(mmkv.Engine.from_pretrained(tiny_dir), settings))
     yield server
     server.close()
 

@@ -89,6 +89,10 @@ def image_id_for(content_hash: str) -> str:
     return f"img-{content_hash}"
 
 
+def skill_id_for(text: str) -> str:
+    return f"skill-{xxhash.xxh3_128(text.encode()).hexdigest()}"
+
+
 def check_skill(name, text) -> None:
     """A skill's name and text, checked as message text is (no lock needed: changes nothing)."""
     if not isinstance(name, str) or not name.strip():
@@ -279,8 +283,7 @@ class Registries:
         token_ids = self._tokenize(text)
         if token_ids.numel() + self.anchor_ids.numel() >= self.max_context:
             raise PromptTooLongError(f"skill of {token_ids.numel()} tokens exceeds the context", param="text")
-        digest = xxhash.xxh3_128(text.encode()).hexdigest()
-        skill_id = f"skill-{digest}"
+        skill_id = skill_id_for(text)
         if (tenant, skill_id) not in self.skills:
             info = SkillInfo(skill_id, name, token_ids.numel(), int(time.time()))
             self.skills[(tenant, skill_id)] = Skill(info, token_ids)
