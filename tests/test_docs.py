@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 SERVE = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/mmkv serve"
 TEST = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest -q"
-#: Words that tell how the project was made (numbered work periods, training stages, checkpoint
+#: Words that tell how the project was made (numbered periods of work, training stages, checkpoint
 #: codes, experiment rule files) rather than what the software does. `\s+` keeps this file clean.
 HISTORY = re.compile(r"session\s+[0-9]|sessions?\s+[0-9]|stage\s+[0-9]|R25[a-z]|R3[a-z]\b|s4[78]-|work\s+period",
                      re.IGNORECASE)
@@ -62,7 +62,7 @@ def test_readme_is_short_and_starts_with_the_two_setup_commands():
 
 
 def test_no_tracked_text_file_tells_how_the_project_was_made():
-    """No tracked text file names a work period, a training stage or a checkpoint's code name."""
+    """No tracked text file names a numbered period of work, a training stage or a checkpoint's code name."""
     found = []
     for path in _tracked_files():
         if path.name in HISTORY_EXEMPT or not path.is_file():
