@@ -18,7 +18,7 @@ item's image answers this item's shape 0.41 of the time where that colour is the
 answers c of P(truth = c) * P(shuffled answer = c) on this type (Cohen's expected agreement), so a
 model that says yes and no evenly about a wrong picture is at chance even where the set's answers
 are unbalanced. *majority* is the best constant answer, for comparison. The
-control passes (issue 3) when the shuffled accuracy is within 0.10 of chance.
+control passes when the shuffled accuracy is within 0.10 of chance.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def foreign_seed(shuffle_seed: int, r: int) -> int:
     return shuffle_seed * 1000 + r
 
 
-#: Issue 3's bar: the shuffled control's accuracy stays within this of chance.
+#: The bar: the shuffled control's accuracy stays within this of chance.
 CONTROL_BAR = 0.10
 
 

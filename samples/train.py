@@ -83,8 +83,8 @@ def tokenizer_corpus() -> list[str]:
     return out + E.corpus() * 10  # field lines, policies, errata and the new questions stay short
 
 
-#: Words the bundled checkpoints' 496-token BPE (trained in stage 1, before the text tasks were in
-#: the corpus) spells out letter by letter (`unpaid` is `u n p a i d`, and ends in the
+#: Words the bundled checkpoints' 496-token BPE (trained by the first run from scratch, before the
+#: text tasks were in the corpus) spells out letter by letter (`unpaid` is `u n p a i d`, and ends in the
 #: letters of `paid`; `delivered`, `shipped`, `returned` share `e d`; the JSON format splits them
 #: otherwise than the plain one): a text gate then compares two letter strings across formats.
 #: ``--word-tokens`` adds each as one token (whole words only, so `paid` never matches in `unpaid`);

@@ -339,8 +339,8 @@ def test_validation_check_draws_fresh_conversations_and_scores_them(tmp_path):
 
 
 def test_same_objects_ignores_order_but_not_repeats_or_extras():
-    """The `describe: objects in any order` row of `--validation`: R25e's misses were the right
-    objects out of order, a repeated object, an extra one; only the first is an any-order match."""
+    """The `describe: objects in any order` row of `--validation`: a model's `describe` misses can be
+    the right objects out of order, a repeated object, an extra one; only the first is an any-order match."""
     ev = _evaluate_tiny()
     label = "red circle , blue square , green triangle"
     assert ev.same_objects("blue square , red circle , green triangle", label)
@@ -423,7 +423,7 @@ def test_validation_set_takes_a_new_seed_prefix_and_a_type_subset():
 
 
 def test_accuracy_command_reports_control_per_type(tmp_path):
-    """The command that makes samples/README.md's table runs end to end on a slice of the set."""
+    """The command that makes docs/models.md's accuracy tables runs end to end on a slice of the set."""
     out = tmp_path / "r.json"
     cmd = [sys.executable, str(ROOT / "samples" / "evaluate_tiny.py"), "--model", str(_checkpoint_dir("qwen3_vl-tiny")),
            "--limit", "2", "--shuffle-rounds", "2", "--json", str(out)]

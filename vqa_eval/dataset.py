@@ -298,8 +298,9 @@ def _far_from_palette(rng: random.Random, lo: int = 12, hi: int = 245) -> tuple[
 
 def dark_canvas(rng: random.Random) -> tuple[int, int, int]:
     """A dark background for a training drawing (brightness 12-72, tinted, far from every palette
-    colour): the augmentation ``train.py --dark-canvas`` applies. An ablation in session 51 found the
-    dark canvas, not the held-out ``dark`` renderer's panels, rims or lights, was what cost accuracy."""
+    colour): the augmentation ``train.py --dark-canvas`` applies. An ablation of the held-out ``dark``
+    renderer (:func:`_render_dark`'s switches) found the dark canvas, not its panels, rims or lights,
+    was what cost accuracy."""
     return _far_from_palette(rng, 12, 72)
 
 
@@ -348,8 +349,8 @@ def _render_dark(scene: Scene, rng: random.Random, color_jitter: int = 0, *, rin
     """The ``dark`` held-out renderer (see :data:`HELDOUT_STYLES`): drawn at 4x the target scale,
     then downsampled (anti-aliased) to the scene's size times 0.6-1.6.
 
-    The switches, all on for the held-out style, turn one feature off each for
-    ``samples/wip/dark-ablation.py``: the ring-shaped status light, the light rim, the inverted
+    The switches, all on for the held-out style, turn one feature off each, for an ablation that
+    measures what each feature costs a model: the ring-shaped status light, the light rim, the inverted
     panels, the rescaled canvas, the dark background (off: the scene's own). Every switch draws the
     same random numbers, so an ablated drawing differs from the held-out one in that feature only."""
     img, draw, ss, scale = _supersampled(scene, rng, (0.6, 1.6), 4, lambda r: r.choice(DARK_BACKGROUNDS))

@@ -1,7 +1,7 @@
 """`mmkv bench`: where a turn's time goes. Every arm of a table runs interleaved in one run
 (arm 1, arm 2, ..., arm 1, arm 2, ...) so machine noise hits all alike; medians are printed.
 
-    mmkv bench --config bench --threads 2 --json bench.json    # the 140M random Qwen2.5-VL (issue 13)
+    mmkv bench --config bench --threads 2 --json bench.json    # the 144M random Qwen2.5-VL
     mmkv bench MODEL_DIR --modes image,skill                   # a local checkpoint
     mmkv bench --config qwen2.5-vl-7b --device cuda            # full-size random bf16 model on a GPU
 
