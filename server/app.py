@@ -25,6 +25,7 @@ from .routes_chat import chat_router
 from .routes_files import files_router
 from .routes_models import models_router
 from .routes_ops import ops_router
+from .routes_page import page_router
 from .routes_skills import skills_router
 from .schemas import ErrorResponse
 from .settings import ServerSettings
@@ -77,6 +78,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
     for router in (files_router(ctx), chat_router(ctx), skills_router(ctx), models_router(ctx)):
         app.include_router(router, responses=_ERROR_RESPONSES)
     app.include_router(ops_router(ctx))
+    app.include_router(page_router())
     _describe_switches(app.openapi(), settings)
     return app
 
