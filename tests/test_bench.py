@@ -83,8 +83,9 @@ def test_copy_and_bytes(report):
         assert r["kv_bytes_per_token"] == r["ideal_bytes_per_token"] == kv_per_token
     image = report["bytes"][0]
     assert image["stored_bytes_per_token"] > kv_per_token  # the image's visual features are kept too
-    spliced = report["bytes"][-1]  # most blocks of a turn splicing the skill reference it: far fewer bytes
-    assert "reference it" in spliced["what"] and spliced["stored_bytes_per_token"] < kv_per_token / 2
+    copied, spliced = report["bytes"][-2:]  # most blocks of a turn splicing the skill reference it
+    assert "text turn" in copied["what"] and copied["stored_bytes_per_token"] > kv_per_token  # tensors' own heap
+    assert "reference it" in spliced["what"] and spliced["stored_bytes_per_token"] < copied["stored_bytes_per_token"] / 2
     for r in report["copy"]:
         assert r["before_ratio"] == pytest.approx(r["before_gb_s"] / r["clone_gb_s"])
 

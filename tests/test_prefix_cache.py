@@ -62,3 +62,45 @@ def test_a_reference_block_is_charged_at_least_its_heap(chunk, blocks, per_reque
     print(f"{blocks} blocks, {per_request} a request: {held / blocks:.0f} B of heap a block, charged {charged / blocks:.0f}")
     assert charged >= held
 
+
+
+def _malloc_in_use() -> int | None:
+    """Bytes glibc's malloc has handed out (mallinfo2), or None where it is not glibc."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+    except (OSError, AttributeError):
+        return None
+    gc.collect()
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+@pytest.mark.parametrize("layers,heads,head_dim", [(28, 4, 128), (3, 2, 16), (2, 1, 8)])
+def test_a_copied_block_is_charged_at_least_its_heap(layers, heads, head_dim):
+    """Every byte kept is counted at its real cost: a prefix block holding its own KV copy was
+    charged its tensors' data only, while each of its 2 x layers + 1 tensors also holds ~400 bytes
+    of heap (a tiny model's block held twice its charge). The charge now covers the heap the
+    blocks really leave allocated (glibc's count, which sees torch's CPU allocations)."""
+    from transformers import DynamicCache
+
+    if _malloc_in_use() is None:
+        pytest.skip("needs glibc's mallinfo2 to count the heap")
+    n = 100 * BLOCK_TOKENS + 1
+    cache = DynamicCache()
+    for i in range(layers):
+        cache.update(torch.randn(1, heads, n, head_dim), torch.randn(1, heads, n, head_dim), i)
+    positions, ids = torch.arange(n).repeat(3, 1), torch.arange(n) % 1000
+    keys = block_keys(ids, [None] * n, "tenant|settings")
+    store = KVStore(10**12)
+    before = _malloc_in_use()
+    stored = PrefixCache(store).insert(keys, cache, positions, 0, n)
+    del keys
+    held = _malloc_in_use() - before
+    print(f"{layers} layers: {held / stored:.0f} B of heap a block, charged {store.nbytes / stored:.0f}")
+    assert stored == 100 and store.nbytes >= held

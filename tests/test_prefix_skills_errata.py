@@ -325,6 +325,7 @@ def _oracle_gap(engine, msgs, tenant: str, result) -> float:
 
 
 def test_blocks_inside_a_spliced_skill_reference_it_and_are_exact(engine):
+    from mmkv.kv.chunks import TENSOR_HEAP_BYTES
     from mmkv.store.prefix_cache import BLOCK_ENTRY_BYTES
 
     tenant = "refs"
@@ -338,10 +339,13 @@ def test_blocks_inside_a_spliced_skill_reference_it_and_are_exact(engine):
     inside = [i for i in range(n // BLOCK_TOKENS) if p.start + 1 <= i * BLOCK_TOKENS and (i + 1) * BLOCK_TOKENS <= p.end]
     refs = _ref_blocks(engine, chunk.key)
     assert len(inside) >= 5 and sorted(r.offset for r in refs) == [i * BLOCK_TOKENS - p.start for i in inside]
-    kv_per_token = chunk.nbytes // chunk.num_tokens
+    kv_per_token = sum(t.numel() * t.element_size() for t in (*chunk.keys, *chunk.values)) // chunk.num_tokens
     copies = n // BLOCK_TOKENS - len(inside)
+    # a copied block: its KV and positions, each tensor's own heap, its entry
+    tensors = 2 * len(chunk.keys) + 1
+    copy = BLOCK_TOKENS * kv_per_token + 3 * BLOCK_TOKENS * 8 + tensors * TENSOR_HEAP_BYTES + BLOCK_ENTRY_BYTES
     # the chunk's KV is counted once: references cost their entry's heap only
-    assert engine.cache.nbytes - before == copies * BLOCK_TOKENS * kv_per_token + len(inside) * BLOCK_ENTRY_BYTES
+    assert engine.cache.nbytes - before == copies * copy + len(inside) * BLOCK_ENTRY_BYTES
     assert _oracle_gap(engine, turn1, tenant, first) <= TOL
     turn2 = _skill_chat(sid, "user 1 prefers short answers .", turns=1)
     second = engine.generate(turn2, max_new_tokens=1, tenant=tenant)

@@ -112,3 +112,57 @@ def test_waiting_requests_can_be_cancelled_and_drained(engine):
     with pytest.raises(SchedulerStoppedError):
         sched.submit([{"role": "user", "content": "hi"}])
     assert SchedulerStoppedError.http_status == 503
+
+
+def test_a_short_request_is_not_held_behind_a_long_prefill(engine):
+    """Prefill fairness: with a long prompt prefilling a chunk a turn, a short request that arrives
+    after it is admitted at once and prefilled first (fewest tokens left), so its first token comes
+    before the long prompt's; both answer as they do alone."""
+    long_msgs = [{"role": "user", "content": "a long policy . " * 150 + "what now ?"}]
+    short_msgs = [{"role": "user", "content": "hi ?"}]
+    alone = {name: engine.generate(m, max_new_tokens=3, reuse=False).token_ids
+             for name, m in (("long", long_msgs), ("short", short_msgs))}
+    firsts: list[str] = []
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=32).start()
+    try:
+        def first(name):
+            return lambda _delta: firsts.append(name) if name not in firsts else None
+        futures = {name: scheduler.submit(m, max_new_tokens=3, reuse=False, on_text=first(name))
+                   for name, m in (("long", long_msgs), ("short", short_msgs))}
+        results = {name: f.result(60) for name, f in futures.items()}
+    finally:
+        scheduler.stop()
+    assert firsts[0] == "short", firsts
+    assert {name: r.token_ids for name, r in results.items()} == alone
+
+
+class _FakeRun:
+    """A prefill that never finishes: records how many tokens each turn gave it."""
+
+    def __init__(self, pending: int):
+        self.pending_tokens, self.given = pending, []
+        self.stream = type("S", (), {"should_stop": None})()
+
+    def prefill(self, n):
+        self.given.append(n)
+        self.pending_tokens -= n
+        return False
+
+
+def test_a_long_prefill_is_not_starved_by_short_ones():
+    """Aging: short requests keep arriving and each would go first (fewest tokens left); a long one
+    passed over for AGING_TURNS turns gets the next turn's budget all the same."""
+    from mmkv.request.scheduler import AGING_TURNS, _Request
+
+    engine = type("E", (), {"_lock": threading.RLock()})()
+    scheduler = Scheduler(engine, max_batch=64, prefill_chunk=16)
+    long_req = _Request(None, {})
+    long_req.run = _FakeRun(10_000)
+    scheduler._prefilling.append(long_req)
+    for _turn in range(3 * (AGING_TURNS + 1)):
+        short = _Request(None, {})
+        short.run = _FakeRun(16)  # takes a whole turn's budget
+        scheduler._prefilling.append(short)
+        scheduler._prefill()
+        scheduler._prefilling = [r for r in scheduler._prefilling if r.run.pending_tokens > 0]
+    assert len(long_req.run.given) >= 2 and all(n == 16 for n in long_req.run.given)

@@ -13,7 +13,8 @@ the interpreter.
 with a long prompt (`--prompt-tokens`, text, no prefix-cache hit) arrives. For the server with
 prefills whole (`--prefill-chunk 0`) and chunked (`--prefill-chunk`), the table gives the decoding
 stream's largest gap between two tokens while the long prompt is prefilled (and its usual gap)
-and the long request's TTFT, with the ratio of chunked to whole.
+and the long request's TTFT, with the ratio of chunked to whole; and a short request's TTFT
+alone and when it arrives just behind the long prompt (prefill fairness).
 """
 
 from __future__ import annotations
@@ -101,25 +102,32 @@ def _token_times(url: str, body: dict, out: dict, started: threading.Event, afte
 
 
 def _run_stall(url: str, bodies: list[dict]) -> dict:
-    """In the client process: the decoding stream, then the long prompt once the stream has 8
-    tokens. The stream's largest gap between tokens from the long request's arrival to its first
-    token, the stream's median gap before it, and the long request's TTFT."""
-    stream, long_ = {}, {}
+    """In the client process: a short request alone; then the decoding stream, the long prompt
+    once the stream has 8 tokens, and the short request again just after the long one. The
+    stream's largest gap between tokens from the long request's arrival to its first token, the
+    stream's median gap before it, the long request's TTFT, and the short request's TTFT alone
+    and behind the long prompt."""
+    stream, long_, short_alone, short_behind = {}, {}, {}, {}
+    _token_times(url, bodies[2], short_alone, threading.Event(), 1)
     going = threading.Event()
     first = threading.Thread(target=_token_times, args=(url, bodies[0], stream, going, 8))
     first.start()
     going.wait()
     second = threading.Thread(target=_token_times, args=(url, bodies[1], long_, threading.Event(), 1))
     second.start()
-    second.join()
-    first.join()
+    time.sleep(0.05)  # the long prompt is admitted first
+    third = threading.Thread(target=_token_times, args=(url, bodies[2], short_behind, threading.Event(), 1))
+    third.start()
+    for t in (second, third, first):
+        t.join()
     arrived, ttft_at = long_["sent"], long_["times"][0]
     times = stream["times"]
     before = [b - a for a, b in zip(times, times[1:]) if b <= arrived]
     around = [t for t in times if t <= arrived][-1:] + [t for t in times if arrived < t <= ttft_at] + \
         [t for t in times if t > ttft_at][:1]  # the stream's tokens from the arrival to just after the TTFT
     return {"gap": max(b - a for a, b in zip(around, around[1:])), "usual": statistics.median(before),
-            "ttft": ttft_at - arrived}
+            "ttft": ttft_at - arrived, "short_alone": short_alone["times"][0] - short_alone["sent"],
+            "short_behind": short_behind["times"][0] - short_behind["sent"]}
 
 
 def _spawn(url: str, bodies: list[dict], run: str = "_run_clients") -> subprocess.Popen:
@@ -207,16 +215,20 @@ def _prefill_table(engine, prompt_tokens: int, chunk: int, rounds: int) -> list[
             _clients(servers[arm][2], [_body(engine, 4, 0)])
         for r in range(rounds):
             for arm, (_, _, url) in servers.items():
-                bodies = [_body(engine, 64, r), _long_body(engine, prompt_tokens, f"long {r} {arm}")]
+                bodies = [_body(engine, 64, r), _long_body(engine, prompt_tokens, f"long {r} {arm}"),
+                          _long_body(engine, 16, f"short {r} {arm}")]
                 cells.setdefault(arm, []).append(_collect(_spawn(url, bodies, "_run_stall")))
     finally:
         _stop(servers)
-    lines = [f"{'prefill':>10} {'usual gap ms':>13} {'largest gap ms':>15} {'long TTFT ms':>13} {'TTFT vs whole':>14}"]
+    lines = [f"{'prefill':>10} {'usual gap ms':>13} {'largest gap ms':>15} {'long TTFT ms':>13} {'TTFT vs whole':>14} "
+             f"{'short alone ms':>15} {'short behind ms':>16} {'behind/alone':>13}"]
     whole = statistics.median(c["ttft"] for c in cells["whole"])
     for arm in servers:
-        med = {k: statistics.median(c[k] for c in cells[arm]) for k in ("usual", "gap", "ttft")}
+        med = {k: statistics.median(c[k] for c in cells[arm])
+               for k in ("usual", "gap", "ttft", "short_alone", "short_behind")}
         lines.append(f"{arm:>10} {med['usual'] * 1e3:>13.0f} {med['gap'] * 1e3:>15.0f} {med['ttft'] * 1e3:>13.0f} "
-                     f"{med['ttft'] / whole:>13.2f}x")
+                     f"{med['ttft'] / whole:>13.2f}x {med['short_alone'] * 1e3:>15.0f} "
+                     f"{med['short_behind'] * 1e3:>16.0f} {med['short_behind'] / med['short_alone']:>12.2f}x")
     return lines
 
 

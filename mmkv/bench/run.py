@@ -537,8 +537,9 @@ def bench_bytes(engine, entries: list, skill_tokens: list[int]) -> list[dict]:
     blocks = after.get("prefix_blocks", 0) - before.get("prefix_blocks", 0)
     if blocks > 0:
         stored = after["cache_bytes"] - before["cache_bytes"]
+        # copies: each token's K and V of every layer; stored adds each tensor's heap and the entry
         out.append({"what": f"prefix blocks, {blocks} x {BLOCK} tokens (text turn)",
-                    "kv_bytes_per_token": stored / (blocks * BLOCK), "stored_bytes_per_token": stored / (blocks * BLOCK),
+                    "kv_bytes_per_token": ideal, "stored_bytes_per_token": stored / (blocks * BLOCK),
                     "ideal_bytes_per_token": ideal})
     for n in skill_tokens[:1]:  # blocks inside a spliced skill reference its KV: they add no KV bytes
         skill_id, tenant = _skill(engine, n)

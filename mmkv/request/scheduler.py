@@ -2,17 +2,19 @@
 
 A request is waiting, then prefilling, then running (decoding in the batch). Each turn of the
 loop (nano-vllm's schedule -> run -> postprocess):
-1. admit: when no request is prefilling, the first waiting one is planned and its cached KV
-   placed (`Engine.start`); it is now the prefilling request;
-2. prefill: the prefilling request's forward runs its next `prefill_chunk` prompt tokens
-   (chunked prefill, as vLLM's and SGLang's; 0 = the whole forward at once). Once its last chunk
-   ran, its first token is sampled and it joins the batch. So a long prompt delays the running
-   requests' next token by one chunk's forward, not by its whole prefill;
+1. admit: while the batch has room, the first waiting request is planned and its cached KV
+   placed (`Engine.start`), one a turn; it joins the prefilling requests;
+2. prefill: a budget of `prefill_chunk` prompt tokens (chunked prefill, as vLLM's and SGLang's;
+   0 = every forward whole) is shared among the prefilling requests, the one with the fewest
+   tokens left first (one passed over for `AGING_TURNS` turns goes first, so none starves). A
+   request whose last chunk ran samples its first token and joins the batch. So a long prompt
+   delays the running requests' next token by one chunk's forward, not by its whole prefill, and
+   a short request that arrives behind it waits about one chunk, not the long one's prefill;
 3. step: one batched forward runs the last token of every running request (`DecodeBatch`);
 4. postprocess: each request's `DecodeStream` takes its row of logits; finished requests leave
    the batch and their futures get their `GenerationResult`.
-The budget per turn is one chunk plus one decode step; they are separate forwards (a decode row
-does not ride along in the chunk's forward). Only the turn's final forward is chunked: a cache
+The budget per turn is one chunk's tokens plus one decode step; they are separate forwards (each
+prefilling request's piece is its own forward, and a decode row does not ride along in it). Only the turn's final forward is chunked: a cache
 miss's precompile (vision tower, the chunk's isolated prefill) and an edit policy's small extra
 forwards run whole in `Engine.start`. Requests keep their own sampling settings, stop strings,
 callbacks and cancellation (a request cancelled mid-prefill ends before its next chunk, its KV
@@ -125,9 +127,11 @@ class _Request:
     on_start: Callable[[], None] | None = None  # called as its prefill begins
     run: object = None  # mmkv.engine.Run once admitted
     token: int | None = None  # the next token to run
+    passed_over: int = 0  # prefill turns in which it got no tokens (aging: see Scheduler._prefill)
 
 
-DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward between two decode steps
+DEFAULT_PREFILL_CHUNK = 512  # prompt tokens prefilled per loop turn, between two decode steps
+AGING_TURNS = 4  # a prefilling request passed over this many turns goes first
 
 
 class Scheduler:
@@ -143,7 +147,7 @@ class Scheduler:
         self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
         self.batch: DecodeBatch | None = None  # made on first use: building a scheduler touches no model
         self._waiting: deque[_Request] = deque()
-        self._prefilling: _Request | None = None  # admitted, its forward not finished
+        self._prefilling: list[_Request] = []  # admitted, their forwards not finished
         self._running: list[_Request] = []
         self._cond = threading.Condition()
         self._stopping = self._draining = False
@@ -207,7 +211,7 @@ class Scheduler:
     @property
     def running(self) -> int:
         """Admitted requests: the prefilling one and those decoding."""
-        return len(self._running) + (self._prefilling is not None)
+        return len(self._running) + len(self._prefilling)
 
     @property
     def alive(self) -> bool:
@@ -221,12 +225,12 @@ class Scheduler:
                 if self._stopping:
                     break
                 admit = None
-                if self._waiting and self._prefilling is None and len(self._running) < self.max_batch:
-                    admit = self._waiting.popleft()
+                if self._waiting and len(self._prefilling) + len(self._running) < self.max_batch:
+                    admit = self._waiting.popleft()  # one a turn: an admission's precompile runs whole
             try:
                 if admit is not None:
                     self._admit(admit)
-                if self._prefilling is not None:
+                if self._prefilling:
                     self._prefill()
                 if self._running:
                     self._step()
@@ -238,12 +242,12 @@ class Scheduler:
     def _fail_in_flight(self, exc: BaseException) -> None:
         """Fail the prefilling and running requests and start the batch afresh: the loop goes on
         serving the waiting ones, and no request is left without an answer."""
-        for req in ([self._prefilling] if self._prefilling else []) + self._running:
+        for req in self._prefilling + self._running:
             fail_future(req.future, exc)
-        self._prefilling, self._running, self.batch = None, [], None
+        self._prefilling, self._running, self.batch = [], [], None
 
     def _admit(self, req: _Request) -> None:
-        """Plan the request and place its cached KV; it becomes the prefilling request."""
+        """Plan the request and place its cached KV; it joins the prefilling requests."""
         if not req.future.set_running_or_notify_cancel():
             return
         try:
@@ -253,30 +257,50 @@ class Scheduler:
         except BaseException as exc:  # noqa: BLE001 - the request's own failure goes back to it
             fail_future(req.future, exc)
             return
-        self._prefilling = req
+        self._prefilling.append(req)
 
     def _prefill(self) -> None:
-        """The prefilling request's next chunk (all of it with `prefill_chunk` 0); after its last,
-        its first token and its place in the batch."""
-        req, run = self._prefilling, self._prefilling.run
+        """One turn's prefill: up to `prefill_chunk` prompt tokens (all with 0) shared among the
+        prefilling requests, the one with the fewest tokens left first, so a short request behind
+        a long prompt waits one chunk, not the whole prefill. A request passed over for
+        `AGING_TURNS` turns goes first, so a stream of short requests cannot starve a long one.
+        Each request's piece is its own forward; one that finishes samples its first token and
+        joins the batch."""
+        budget = self.prefill_chunk or None
+        order = sorted(self._prefilling, key=lambda r: (r.passed_over < AGING_TURNS, r.run.pending_tokens))
+        for req in order:
+            if budget == 0:
+                req.passed_over += 1
+                continue
+            before = req.run.pending_tokens
+            self._prefill_one(req, budget)
+            req.passed_over = 0
+            if budget is not None:
+                budget = max(0, budget - (before - req.run.pending_tokens))
+
+    def _prefill_one(self, req: _Request, budget: int | None) -> None:
+        """Run at most `budget` tokens of `req`'s forward; after its last, its first token and its
+        place in the batch."""
+        run = req.run
         try:
             if run.stream.should_stop is not None and run.stream.should_stop():
-                self._prefilling = None
+                self._prefilling.remove(req)
                 run.stream.cancel()
                 req.future.set_result(run.result())
                 return
             with self.engine._lock:
-                done = run.prefill(self.prefill_chunk or None)
+                done = run.prefill(budget)
             if not done:
                 return
-            self._prefilling = None
+            self._prefilling.remove(req)
             req.token = run.stream.step(run.first_logits)
             run.first_token_out()
             if req.token is None:
                 req.future.set_result(run.result())
                 return
         except BaseException as exc:  # noqa: BLE001 - the request's own failure goes back to it
-            self._prefilling = None
+            if req in self._prefilling:
+                self._prefilling.remove(req)
             fail_future(req.future, exc)
             return
         self._join(req)
@@ -335,10 +359,10 @@ class Scheduler:
     def _shut_down(self) -> None:
         """Fail the waiting requests and end the admitted ones "cancelled" with what they have."""
         self._fail_waiting("the scheduler is shutting down")
-        for r in ([self._prefilling] if self._prefilling else []) + self._running:
+        for r in self._prefilling + self._running:
             try:
                 r.run.stream.cancel()
                 r.future.set_result(r.run.result())
             except BaseException as exc:  # noqa: BLE001 - its answer failed: it gets the error instead
                 fail_future(r.future, exc)
-        self._prefilling, self._running, self.batch = None, [], None
+        self._prefilling, self._running, self.batch = [], [], None

@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 from mmkv.adapters import RopeLayout
-from mmkv.kv.chunks import CachedChunk
+from mmkv.kv.chunks import CachedChunk, tensor_bytes
 from mmkv.store.kv_store import KVStore
 from mmkv.kv.rerotate import place_rows, rotation
 
@@ -63,8 +63,8 @@ class PrefixBlock:
     kind = "prefix"
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+    def nbytes(self) -> int:  # its tensors with their own heap, and the entry, as a reference block's
+        return tensor_bytes((*self.keys, *self.values, self.positions)) + BLOCK_ENTRY_BYTES
 
 
 @dataclass(slots=True)
