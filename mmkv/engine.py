@@ -88,6 +88,12 @@ class Fidelity:
     max_abs_diff: float
     same_argmax: bool
 
+    @classmethod
+    def between(cls, got: torch.Tensor, ref: torch.Tensor) -> Fidelity:
+        """`got` [V] against the reference's `ref` [V]."""
+        cos = torch.nn.functional.cosine_similarity(got, ref, dim=0).item()
+        return cls(cos, (got - ref).abs().max().item(), bool(got.argmax() == ref.argmax()))
+
 
 @dataclass
 class GenerationResult:
@@ -125,6 +131,7 @@ class Run:
     tool_spec: ToolSpec | None = None
     on_text: Callable[[str], None] | None = None
     deferred: Callable[[], None] | None = None  # work that waits until the first token is out
+    reference: PrefillResult | None = None  # `fidelity`: the full recompute, run after the turn's forward
 
     @property
     def cache(self) -> DynamicCache:  # per layer [1, kv_heads, L, head_dim]: the prompt, then every token fed
@@ -136,14 +143,23 @@ class Run:
 
     @property
     def pending_tokens(self) -> int:
-        """Prompt tokens the turn's forward has still to run."""
-        return 0 if self.prefilled.pending is None else self.prefilled.pending.remaining
+        """Prompt tokens the turn's forward (and, with `fidelity`, the reference's) has still to run."""
+        return sum(r.pending.remaining for r in (self.prefilled, self.reference) if r is not None and r.pending)
 
     def prefill(self, max_tokens: int | None = None) -> bool:
-        """Run the next at most `max_tokens` tokens of the turn's forward (None: all that are
-        left); True once it is done and `first_logits` is set. The caller holds the engine's lock."""
+        """Run the next at most `max_tokens` tokens of the turn's forward, then of the reference
+        forward `fidelity` asked for (None: all that are left); True once both are done and
+        `first_logits` is set. Chunked like any prefill, so a fidelity check never holds the
+        running requests' decoding for two whole forwards. The caller holds the engine's lock."""
+        before = self.pending_tokens
         if not self.prefilled.advance(max_tokens):
             return False
+        if self.reference is not None:
+            left = None if max_tokens is None else max_tokens - (before - self.pending_tokens)
+            if left == 0 or not self.reference.advance(left):
+                return False
+            self.report["fidelity"] = Fidelity.between(self.first_logits, self.reference.logits[0])
+            self.reference = None  # its cache goes: only the comparison is kept
         if self.report["first_logits"] is None:
             self.report["first_logits"] = self.first_logits.cpu()
         return True
@@ -412,11 +428,10 @@ class Engine:
             resolved = self.registry.resolve(refs, spec.tenant, prepared, held)
             input_ids, spans = self._prompt(spec, template, resolved)
             placed = self._place(spec, input_ids, spans, resolved)
-            fidelity = self._fidelity(placed.prefill, placed.plan) if spec.fidelity and spec.reuse else None
-            report = self._account(spec, placed, before, fidelity)
+            report = self._account(spec, placed, before)
             calls, stream = self._stream(spec, placed.plan, t0)
             return Run(stream, placed.prefill, report, calls, spec.tools, spec.on_text,
-                       self._run_under_lock(placed.insert))
+                       self._run_under_lock(placed.insert), self._reference(spec, placed.plan))
 
     def _prompt(self, spec: RequestSpec, template: list[dict], resolved: list) -> tuple[torch.Tensor, list]:
         """The prompt's token ids and its image and skill spans; refused when it and its answer do
@@ -431,23 +446,26 @@ class Engine:
     def _place(self, spec: RequestSpec, input_ids: torch.Tensor, spans: list, resolved: list) -> Placed:
         """Reuse: every chunk's cached KV and the longest prefix hit placed, edits applied
         (mmkv.request.place). Else the reference: one full forward over the whole prompt. Either
-        forward is left pending (the scheduler runs it in chunks), unless `fidelity` needs its
-        logits now."""
+        forward is left pending (the scheduler runs it in chunks)."""
         if spec.reuse:
             chunks = [(s, self.registry.chunk_for(r, spec.tenant)) for s, r in spans]
             plan = self.planner.plan(input_ids, chunks, spec.policy)
-            placed = self.placer.prefill(plan, spec.tenant, self._salt(spec.tenant, spec.seam, spec.policy), spec.seam,
-                                         spec.policy, spec.edit, spec.max_new_tokens)
-            if spec.fidelity:
-                placed.prefill.advance()  # the comparison needs the logits now: the forward runs whole
-            return placed
+            return self.placer.prefill(plan, spec.tenant, self._salt(spec.tenant, spec.seam, spec.policy), spec.seam,
+                                       spec.policy, spec.edit, spec.max_new_tokens)
         images = [r for r in resolved if isinstance(r, RegisteredImage)]
         native = self.adapter.native_positions(input_ids, [r.grid_thw for r in images])
         feats = ImageFeatures.concat([self.registry.encode(r) for r in images])
         prefill = prefill_full(self.adapter, input_ids, native, feats, defer=True)
         return Placed(prefill, SplicePlan(input_ids, native, native, [], [None] * input_ids.numel()), None, None)
 
-    def _account(self, spec: RequestSpec, placed: Placed, before: tuple[int, int], fidelity: Fidelity | None) -> dict:
+    def _reference(self, spec: RequestSpec, plan: SplicePlan) -> PrefillResult | None:
+        """`fidelity` on the reuse path: the full recompute of the same tokens (cached visual
+        features are what the tower gives), its forward pending like the turn's own."""
+        if not (spec.fidelity and spec.reuse):
+            return None
+        return prefill_full(self.adapter, plan.input_ids, plan.native_positions, plan.chunk_features(), defer=True)
+
+    def _account(self, spec: RequestSpec, placed: Placed, before: tuple[int, int]) -> dict:
         """The result's fields known now (tokens reused by kind, computed, vision tower runs) and
         the engine's counters. Only KV that existed before the request counts as reused."""
         prefill, plan = placed.prefill, placed.plan
@@ -461,8 +479,8 @@ class Engine:
             lm_tokens_computed=prefill.computed_tokens + self.registry.precompiled_tokens - computed_before,
             vision_tower_runs=self.registry.vision_tower_runs - runs_before, seam_tokens=spec.seam,
             rope_policy=spec.policy, reuse=spec.reuse, prefix_tokens_reused=reused["prefix"],
-            skill_tokens_reused=reused["skill"], fidelity=fidelity, edit=placed.report,
-            first_logits=None)  # set by Run.prefill
+            skill_tokens_reused=reused["skill"], fidelity=None, edit=placed.report,
+            first_logits=None)  # both set by Run.prefill
 
     def _stream(self, spec: RequestSpec, plan: SplicePlan, t0: float) -> tuple[ContentFilter | None, DecodeStream]:
         """The decoding state; with tools, a filter that holds `<tool_call>` text back from `on_text`."""
@@ -511,13 +529,6 @@ class Engine:
                 elif p.entry.kind == "image":
                     out["image"] += int((plan.input_ids[lo:hi] == pad).sum())
         return out
-
-    def _fidelity(self, fast: PrefillResult, plan: SplicePlan) -> Fidelity:
-        """The full recompute of the same tokens (cached visual features are what the tower gives)."""
-        ref = prefill_full(self.adapter, plan.input_ids, plan.native_positions, plan.chunk_features()).logits[0]
-        got = fast.logits[0]
-        cos = torch.nn.functional.cosine_similarity(got, ref, dim=0).item()
-        return Fidelity(cos, (got - ref).abs().max().item(), bool(got.argmax() == ref.argmax()))
 
     # ---- introspection -------------------------------------------------------------------------------
     def stats(self) -> dict:

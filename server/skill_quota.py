@@ -1,8 +1,9 @@
 """Skill quotas: how many skills one API key may keep, how many bytes they may take, and a byte
 budget for all keys together, checked before a skill is precompiled or recorded.
 
-A skill's bytes are its KV: its tokens times the model's K/V bytes per token, what its chunk takes
-in the RAM store, in the disk tier and in the shared tier (and what its precompile computes).
+A skill's bytes are what its chunk takes in the RAM store, as the store charges it: its KV (its
+tokens times the model's K/V bytes per token), its token ids and positions, each tensor's own heap;
+its copies in the disk and shared tiers are about the same size.
 Usage is read from the engine's own skill lists at each check, so skills restored at start-up and
 skills other servers added to the shared tier count too. Runs on the engine worker thread: a
 check and the add that follows it are one job, so two uploads cannot both take the last room.
@@ -40,6 +41,13 @@ def kv_bytes_per_token(engine) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * adapter.dtype.itemsize
 
 
+def skill_bytes(engine, tokens: int) -> int:
+    """What a skill of `tokens` tokens takes in the RAM store, as the store charges it."""
+    from mmkv.kv.chunks import text_chunk_bytes  # here: importing the server must not import torch
+
+    return text_chunk_bytes(tokens, engine.adapter.num_layers, kv_bytes_per_token(engine))
+
+
 def skill_tokens(engine, text: str) -> int:
     """The tokens the engine will precompile for `text` (special tokens' strings as plain text)."""
     return len(engine.adapter.tokenizer(text, split_special_tokens=True)["input_ids"])
@@ -59,9 +67,8 @@ class SkillQuota:
         kept = engine.list_skills(tenant)
         if any(info.skill_id == skill_id_for(text) for info in kept):
             return
-        per_token = kv_bytes_per_token(engine)
-        nbytes = skill_tokens(engine, text) * per_token
-        used = sum(info.tokens for info in kept) * per_token
+        nbytes = skill_bytes(engine, skill_tokens(engine, text))
+        used = sum(skill_bytes(engine, info.tokens) for info in kept)
         if len(kept) + 1 > self.key_skills:
             raise SkillQuotaError(f"this API key already keeps {len(kept)} skills, its quota; delete skills first",
                                   param="text")
@@ -69,7 +76,7 @@ class SkillQuota:
             raise SkillQuotaError(
                 f"this skill's KV takes {nbytes} bytes; with this API key's {used} bytes of skills that exceeds its "
                 f"quota of {self.key_bytes} bytes; delete skills first", param="text")
-        total = sum(info.tokens for t in set(tenants) for info in engine.list_skills(t)) * per_token
+        total = sum(skill_bytes(engine, info.tokens) for t in set(tenants) for info in engine.list_skills(t))
         if total + nbytes > self.store_bytes:
             raise SkillStoreFullError(
                 f"this skill's KV takes {nbytes} bytes, over the skill budget of {self.store_bytes} bytes "

@@ -166,3 +166,29 @@ def test_a_long_prefill_is_not_starved_by_short_ones():
         scheduler._prefill()
         scheduler._prefilling = [r for r in scheduler._prefilling if r.run.pending_tokens > 0]
     assert len(long_req.run.given) >= 2 and all(n == 16 for n in long_req.run.given)
+
+
+def test_a_fidelity_check_does_not_hold_the_running_decodes(engine):
+    """Review finding 14: `fidelity` ran two whole forwards inside the request's admission, and
+    every running request waited for both. The reference forward now runs in prefill chunks like
+    any other, so a decoding request keeps getting tokens while a fidelity check prefills; the
+    report is the same as the single-request path's."""
+    busy = [{"role": "user", "content": "keep talking ."}]
+    checked = [{"role": "user", "content": "a long policy . " * 60 + "what now ?"}]
+    banned = {i: -100.0 for i in engine.stop_ids}
+    alone = engine.generate(checked, max_new_tokens=1, fidelity=True)
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=16).start()
+    tokens, during = [], []
+    try:
+        running = scheduler.submit(busy, max_new_tokens=60, logit_bias=banned, on_text=tokens.append)
+        while len(tokens) < 2:
+            threading.Event().wait(0.01)
+        result = scheduler.submit(checked, max_new_tokens=1, fidelity=True,
+                                  on_start=lambda: during.append(len(tokens))).result(60)
+        during.append(len(tokens))
+        running.result(60)
+    finally:
+        scheduler.stop()
+    assert during[1] - during[0] >= 5, f"the running request got {during[1] - during[0]} tokens meanwhile"
+    assert result.fidelity is not None and result.fidelity.same_argmax == alone.fidelity.same_argmax
+    assert abs(result.fidelity.max_abs_diff - alone.fidelity.max_abs_diff) <= 1e-4

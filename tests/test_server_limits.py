@@ -15,7 +15,7 @@ import mmkv.server.app as server_app
 import mmkv.server.serve as server_serve
 from mmkv.cli import app as cli
 from mmkv.server.app import ServerSettings, create_app
-from mmkv.server.skill_quota import kv_bytes_per_token
+from mmkv.server.skill_quota import skill_bytes
 
 from test_server import tiny_dir  # noqa: F401 - fixture
 
@@ -51,7 +51,7 @@ def test_a_skill_counts_its_kv_bytes(engine):
     """Review finding 12: the quota counts a skill at the bytes its KV takes in every store."""
     for text in (SHORT, LONG):
         tokens = engine.skill_info(engine.add_skill("t", text, tenant="t"), tenant="t").tokens
-        assert tokens * kv_bytes_per_token(engine) == _skill_bytes(engine, text)
+        assert skill_bytes(engine, tokens) == _skill_bytes(engine, text)
 
 
 @pytest.mark.parametrize("limit", ["count", "bytes"])

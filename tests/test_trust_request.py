@@ -155,7 +155,7 @@ def test_failed_request_leaves_no_prefix_blocks(engine, monkeypatch, stage):
         if stage == "sampler":
             m.setattr("mmkv.engine.DecodeStream", lambda **_: (_ for _ in ()).throw(InjectedFault("sampler")))
         else:
-            m.setattr(type(engine), "_fidelity", lambda *_: (_ for _ in ()).throw(InjectedFault("fidelity")))
+            m.setattr("mmkv.engine.Fidelity.between", lambda *_: (_ for _ in ()).throw(InjectedFault("fidelity")))
         with pytest.raises(InjectedFault):
             engine.generate(_text(tag), max_new_tokens=1, tenant=tag, fidelity=stage == "fidelity")
     engine.generate(_text("other"), max_new_tokens=1, tenant=tag, reuse=False)

@@ -24,6 +24,12 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() + TENSOR_HEAP_BYTES for t in tensors)
 
 
+def text_chunk_bytes(tokens: int, layers: int, kv_bytes_per_token: int) -> int:
+    """A skill chunk's `CachedChunk.nbytes` before it exists (a quota check): K and V of every
+    layer, the token ids and the [3, L] positions (int64), each tensor's own heap."""
+    return tokens * (kv_bytes_per_token + 4 * 8) + (2 * layers + 2) * TENSOR_HEAP_BYTES
+
+
 def chunk_cache_key(kind: str, content_hash: str, model_fingerprint: str, grid_settings: str, anchor: str,
                     tenant: str) -> str:
     """xxh3-128 over everything that changes a chunk's cached KV. 32 hex digits."""
