@@ -132,6 +132,15 @@ def serve(
     allow_fidelity: Annotated[bool, typer.Option("--allow-fidelity", envvar="MMKV_ALLOW_FIDELITY",
                                                  help="Let requests ask for mmkv.fidelity (a second, whole "
                                                       "forward that stalls every decode). Default: off, a 400.")] = False,
+    shadow_rate: Annotated[float, typer.Option(envvar="MMKV_SHADOW_RATE", min=0.0, max=1.0,
+                                               help="Share of fast-path requests (spliced image or skill, "
+                                                    "erratum, edit) recomputed exactly in idle capacity and "
+                                                    "compared (/v1/mmkv/fidelity, /metrics). 0: off.")] = 0.0,
+    shadow_alert: Annotated[float, typer.Option(envvar="MMKV_SHADOW_ALERT", min=0.0, max=1.0,
+                                                help="Log and count an alert when a kind's agreement over the "
+                                                     "last --shadow-window shadows falls below this.")] = 0.9,
+    shadow_window: Annotated[int, typer.Option(envvar="MMKV_SHADOW_WINDOW", min=1,
+                                               help="Shadows per kind the alert looks at.")] = 100,
     device: Annotated[str | None, typer.Option(envvar="MMKV_DEVICE",
                                                help="cpu, cuda or cuda:N. Default: cuda when present.")] = None,
     dtype: Annotated[str | None, typer.Option(envvar="MMKV_DTYPE", help="float32, bfloat16 or float16. "
@@ -187,7 +196,8 @@ def serve(
             key_skills=key_skill_quota_count,
             image_threads=image_threads, body_timeout_s=body_timeout_s,
             allowed_image_url_prefixes=tuple(allow_image_url_prefix or ()), default_max_tokens=max_tokens_default,
-            served_model_names=tuple(served_model_name or ()), allow_fidelity=allow_fidelity)
+            served_model_names=tuple(served_model_name or ()), allow_fidelity=allow_fidelity,
+            shadow_rate=shadow_rate, shadow_alert=shadow_alert, shadow_window=shadow_window)
         limits = ConnectionLimits(max_connections=max_connections, header_timeout_s=header_timeout_s,
                                   keep_alive_s=keep_alive_s, max_header_bytes=max_header_kb << 10,
                                   grace_s=shutdown_grace_s)

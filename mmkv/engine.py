@@ -132,6 +132,8 @@ class Run:
     on_text: Callable[[str], None] | None = None
     deferred: Callable[[], None] | None = None  # work that waits until the first token is out
     reference: PrefillResult | None = None  # `fidelity`: the full recompute, run after the turn's forward
+    exact: Callable[[], PrefillResult] | None = None  # the client prompt's full recompute, pending (the shadow
+    #                                                   monitor's); None for a request that was one
 
     @property
     def cache(self) -> DynamicCache:  # per layer [1, kv_heads, L, head_dim]: the prompt, then every token fed
@@ -427,11 +429,11 @@ class Engine:
             self.registry.fresh.clear()  # reused counts only KV that existed before this request
             resolved = self.registry.resolve(refs, spec.tenant, prepared, held)
             input_ids, spans = self._prompt(spec, template, resolved)
-            placed = self._place(spec, input_ids, spans, resolved)
+            placed, client = self._place(spec, input_ids, spans, resolved)
             report = self._account(spec, placed, before)
             calls, stream = self._stream(spec, placed.plan, t0)
             return Run(stream, placed.prefill, report, calls, spec.tools, spec.on_text,
-                       self._run_under_lock(placed.insert), self._reference(spec, placed.plan))
+                       self._run_under_lock(placed.insert), self._reference(spec, placed.plan), self._exact(client))
 
     def _prompt(self, spec: RequestSpec, template: list[dict], resolved: list) -> tuple[torch.Tensor, list]:
         """The prompt's token ids and its image and skill spans; refused when it and its answer do
@@ -443,20 +445,32 @@ class Engine:
                 f"of {self.max_context} tokens", param="messages")
         return input_ids, spans
 
-    def _place(self, spec: RequestSpec, input_ids: torch.Tensor, spans: list, resolved: list) -> Placed:
+    def _place(self, spec: RequestSpec, input_ids: torch.Tensor, spans: list,
+               resolved: list) -> tuple[Placed, SplicePlan | None]:
         """Reuse: every chunk's cached KV and the longest prefix hit placed, edits applied
         (mmkv.request.place). Else the reference: one full forward over the whole prompt. Either
-        forward is left pending (the scheduler runs it in chunks)."""
+        forward is left pending (the scheduler runs it in chunks). Also returns the client's own
+        plan on the reuse path (an erratum rewrites the one placed), None on the reference path."""
         if spec.reuse:
             chunks = [(s, self.registry.chunk_for(r, spec.tenant)) for s, r in spans]
             plan = self.planner.plan(input_ids, chunks, spec.policy)
             return self.placer.prefill(plan, spec.tenant, self._salt(spec.tenant, spec.seam, spec.policy), spec.seam,
-                                       spec.policy, spec.edit, spec.max_new_tokens)
+                                       spec.policy, spec.edit, spec.max_new_tokens), plan
         images = [r for r in resolved if isinstance(r, RegisteredImage)]
         native = self.adapter.native_positions(input_ids, [r.grid_thw for r in images])
         feats = ImageFeatures.concat([self.registry.encode(r) for r in images])
         prefill = prefill_full(self.adapter, input_ids, native, feats, defer=True)
-        return Placed(prefill, SplicePlan(input_ids, native, native, [], [None] * input_ids.numel()), None, None)
+        return Placed(prefill, SplicePlan(input_ids, native, native, [], [None] * input_ids.numel()), None, None), None
+
+    def _exact(self, client: SplicePlan | None) -> Callable[[], PrefillResult] | None:
+        """What a reuse request's answer is checked against (the shadow monitor): the full
+        recompute of the client's prompt as sent (an erratum's original, not its rewrite), made
+        only when asked for."""
+        if client is None:
+            return None
+        adapter = self.adapter
+        return lambda: prefill_full(adapter, client.input_ids, client.native_positions, client.chunk_features(),
+                                    defer=True)
 
     def _reference(self, spec: RequestSpec, plan: SplicePlan) -> PrefillResult | None:
         """`fidelity` on the reuse path: the full recompute of the same tokens (cached visual

@@ -43,8 +43,14 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
     """The FastAPI app serving `engine`. The engine is owned by the app's worker thread from
     start-up to shut-down (only `engine.prepare_image`, which is thread-safe, also runs on the
     image threads): do not call it from elsewhere while the app runs."""
-    worker = EngineWorker(engine, settings.max_queue, settings.max_batch, settings.prefill_chunk)
-    metrics = ServerMetrics(worker.live_stats, lambda: worker.queue_depth)
+    shadow = None
+    if settings.shadow_rate > 0:
+        from mmkv.request.shadow import ShadowMonitor  # here: importing the server must not import torch
+
+        shadow = ShadowMonitor(settings.shadow_rate, settings.shadow_alert, settings.shadow_window)
+    worker = EngineWorker(engine, settings.max_queue, settings.max_batch, settings.prefill_chunk, shadow)
+    metrics = ServerMetrics(worker.live_stats, lambda: worker.queue_depth,
+                            shadow.snapshot if shadow is not None else None)
     tiers = getattr(engine, "tiers", None)  # disk / shared tiers (mmkv/store/tiers.py): durable files, shared tenants
     ctx = ServerContext(
         worker=worker, metrics=metrics, settings=settings,

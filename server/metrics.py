@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -91,10 +91,34 @@ class _EngineStatsCollector:
             yield CounterMetricFamily("mmkv:image_cache_queries", "Image lookups (items).", value=float(queries))
 
 
+class _ShadowCollector:
+    """The fidelity monitor's counts per kind (mmkv/request/shadow.py), read at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], Mapping[str, Any]]):
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        kinds = self._snapshot()["kinds"]
+        families = {key: CounterMetricFamily(f"mmkv:shadow_{key}", doc, labels=["kind"]) for key, doc in (
+            ("shadowed", "Fast-path requests recomputed exactly and compared."),
+            ("agreed", "Shadowed requests whose first token equals the full recompute's."),
+            ("dropped", "Sampled requests not shadowed: the queue was full (busy) or the shadow failed."),
+            ("alerts", "Times a kind's agreement over the window fell below --shadow-alert."))}
+        gap = HistogramMetricFamily("mmkv:shadow_logit_gap", "Largest |logit| gap of a shadowed request's first "
+                                    "next-token logits from the full recompute's.", labels=["kind"])
+        for kind, k in kinds.items():
+            for key, family in families.items():
+                family.add_metric([kind], float(k[key]))
+            gap.add_metric([kind], [(b, float(c)) for b, c in k["gap_buckets"].items()], float(k["gap_sum"]))
+        yield from families.values()
+        yield gap
+
+
 class ServerMetrics:
     """Everything /metrics shows. Thread-safe (prometheus_client metrics are)."""
 
-    def __init__(self, engine_stats: Callable[[], Mapping[str, Any]], queue_depth: Callable[[], int]):
+    def __init__(self, engine_stats: Callable[[], Mapping[str, Any]], queue_depth: Callable[[], int],
+                 shadow: Callable[[], Mapping[str, Any]] | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("mmkv:requests", "HTTP requests by endpoint and status.",
@@ -115,6 +139,8 @@ class ServerMetrics:
                                  registry=r)
         self.queue_depth.set_function(queue_depth)
         r.register(_EngineStatsCollector(engine_stats))
+        if shadow is not None:
+            r.register(_ShadowCollector(shadow))
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

@@ -24,9 +24,14 @@ class ServerSettings:
     max_pending_images: int = 64  # images waiting for those threads before new ones get 429
     allowed_image_url_prefixes: tuple[str, ...] = ()  # e.g. "https://images.example.com/", "file:///srv/img/"
     default_max_tokens: int = 512
-    # mmkv.fidelity runs a second, whole forward under the engine lock (every decode waits): an
-    # operator's diagnostic, off unless asked for; a request that asks while it is off is a 400.
+    # mmkv.fidelity runs a second forward (in prefill chunks) and delays that request's first token:
+    # an operator's diagnostic, off unless asked for; a request that asks while it is off is a 400.
     allow_fidelity: bool = False
+    # The online fidelity monitor (mmkv/request/shadow.py): the share of fast-path requests recomputed
+    # exactly in idle turns (0: off), the agreement over the last `shadow_window` below which it alerts.
+    shadow_rate: float = 0.0
+    shadow_alert: float = 0.9
+    shadow_window: int = 100
     # The names a chat request's `model` may carry, as vLLM's --served-model-name: the first is the one
     # responses and /v1/models report. Empty: the engine's own model id. Any other name is a 404.
     served_model_names: tuple[str, ...] = ()
@@ -42,6 +47,8 @@ class ServerSettings:
         assert self.max_images_per_request >= 0, "max_images_per_request must be >= 0"
         assert self.image_threads >= 1 and self.max_pending_images >= 1, "image_threads and max_pending_images >= 1"
         assert self.default_max_tokens >= 1, "the default max_tokens must be at least 1"
+        assert 0.0 <= self.shadow_rate <= 1.0 and 0.0 <= self.shadow_alert <= 1.0, "shadow rate / alert in [0, 1]"
+        assert self.shadow_window >= 1, "shadow_window must be at least 1"
         assert all(name and name.strip() == name for name in self.served_model_names), \
             "a served model name is non-empty, without surrounding spaces"
         assert len(set(self.served_model_names)) == len(self.served_model_names), "served model names repeat"

@@ -15,6 +15,9 @@ prefills whole (`--prefill-chunk 0`) and chunked (`--prefill-chunk`), the table 
 stream's largest gap between two tokens while the long prompt is prefilled (and its usual gap)
 and the long request's TTFT, with the ratio of chunked to whole; and a short request's TTFT
 alone and when it arrives just behind the long prompt (prefill fairness).
+
+`--mode shadow`: the fidelity monitor's cost: 4 clients streaming about one uploaded image (spliced
+at a moved position, the fast path it shadows), tokens/s with `--shadow-rate` 0, 0.01 and 0.1.
 """
 
 from __future__ import annotations
@@ -33,15 +36,16 @@ from typing import Annotated
 import typer
 
 
-def _server(engine, max_batch: int, prefill_chunk: int | None = None):
-    """The app on a loopback port in this process; `prefill_chunk` None: the server's default."""
+def _server(engine, max_batch: int, prefill_chunk: int | None = None, **settings_kw):
+    """The app on a loopback port in this process; `prefill_chunk` None: the server's default;
+    `settings_kw`: more ServerSettings fields."""
     import uvicorn
 
     from mmkv.server.app import ServerSettings, create_app
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
-    settings = ServerSettings(max_batch=max_batch)
+    settings = ServerSettings(max_batch=max_batch, **settings_kw)
     if prefill_chunk is not None:  # 0: prefills whole
         settings = dataclasses.replace(settings, prefill_chunk=prefill_chunk)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, settings), log_level="warning"))
@@ -232,6 +236,56 @@ def _prefill_table(engine, prompt_tokens: int, chunk: int, rounds: int) -> list[
     return lines
 
 
+def _image_body(engine, url: str, tokens: int, i: int) -> dict:
+    """A streamed chat about an image uploaded to the server at `url` (the same bytes each time, so
+    one precompile), after `i`-dependent text: a spliced image at a moved position, the fast path
+    the fidelity monitor shadows."""
+    import io
+
+    import httpx
+    from PIL import Image, ImageDraw
+
+    picture = Image.new("RGB", (224, 224), (200, 200, 200))
+    ImageDraw.Draw(picture).rectangle([40, 40, 140, 120], fill=(30, 160, 60))
+    buf = io.BytesIO()
+    picture.save(buf, "PNG")
+    file_id = httpx.post(f"{url}/v1/files", data={"purpose": "vision"}, timeout=120,
+                         files={"file": ("bench.png", buf.getvalue(), "image/png")}).json()["id"]
+    body = _body(engine, tokens, i)
+    body["messages"] = [{"role": "user", "content": [
+        {"type": "text", "text": f"client {i} : " + "look at this . " * (2 + i % 4)},
+        {"type": "image_file", "image_file": {"file_id": file_id}}, {"type": "text", "text": "what is in it ?"}]}]
+    return body
+
+
+def _shadow_table(engine, tokens: int, rounds: int, clients: int = 4) -> list[str]:
+    """Aggregate tokens/s of `clients` streams about one image with the fidelity monitor off and at
+    --shadow-rate 0.01 and 0.1, arms alternating, in one run."""
+    rates = (0.0, 0.01, 0.1)
+    servers = {rate: _server(engine, 8, shadow_rate=rate, shadow_window=10) for rate in rates}
+    cells: dict[float, list[float]] = {}
+    try:
+        bodies = {rate: [_image_body(engine, url, tokens, i) for i in range(clients)]
+                  for rate, (_, _, url) in servers.items()}
+        for rate, (_, _, url) in servers.items():  # warm-up
+            _clients(url, bodies[rate][:1])
+        for _ in range(rounds):
+            for rate, (_, _, url) in servers.items():
+                got = _clients(url, bodies[rate])
+                cells.setdefault(rate, []).append(sum(g[2] for g in got["results"]) / got["wall"])
+        shadows = {rate: servers[rate][0].config.app.state.ctx.worker.scheduler.shadow for rate in rates}
+        summaries = {rate: (s.snapshot()["kinds"]["image"] if s is not None else None) for rate, s in shadows.items()}
+    finally:
+        _stop(servers)
+    base = statistics.median(cells[0.0])
+    lines = [f"{'shadow rate':>11} {'tokens/s':>9} {'vs off':>7} {'shadowed':>9} {'agreed':>7} {'dropped':>8}"]
+    for rate in rates:
+        rate_s, k = statistics.median(cells[rate]), summaries[rate]
+        counts = (k["shadowed"], k["agreed"], k["dropped"]) if k else ("-", "-", "-")
+        lines.append(f"{rate:>11} {rate_s:>9.1f} {rate_s / base:>6.3f}x {counts[0]:>9} {counts[1]:>7} {counts[2]:>8}")
+    return lines
+
+
 def _stop(servers: dict) -> None:
     for server, thread, _ in servers.values():
         server.should_exit = True
@@ -245,7 +299,8 @@ def bench_concurrency_command(
     rounds: Annotated[int, typer.Option(help="Rounds; arms alternate within each.")] = 3,
     threads: Annotated[int, typer.Option(help="torch threads.")] = 2,
     mode: Annotated[str, typer.Option(help="clients (N clients, batched vs serial), prefill (a long prompt "
-                                           "beside a decoding stream, whole vs chunked) or all.")] = "all",
+                                           "beside a decoding stream, whole vs chunked), shadow (the fidelity "
+                                           "monitor's cost at --shadow-rate 0, 0.01, 0.1) or all.")] = "all",
     prompt_tokens: Annotated[int, typer.Option(help="--mode prefill: the long prompt's tokens.")] = 2048,
     prefill_chunk: Annotated[int, typer.Option(min=1, help="--mode prefill: the chunked arm's chunk.")] = 512,
 ) -> None:
@@ -255,8 +310,8 @@ def bench_concurrency_command(
 
     from mmkv.bench.run import build_engine
 
-    if mode not in ("clients", "prefill", "all"):
-        raise typer.BadParameter("expected clients, prefill or all", param_hint="--mode")
+    if mode not in ("clients", "prefill", "shadow", "all"):
+        raise typer.BadParameter("expected clients, prefill, shadow or all", param_hint="--mode")
     torch.set_num_threads(threads)
     engine = build_engine(config, model_dir, "cpu", None, 64)
     tables = []
@@ -265,6 +320,9 @@ def bench_concurrency_command(
     if mode in ("prefill", "all"):
         tables.append((f"one stream decoding, a {prompt_tokens}-token prompt arrives",
                        _prefill_table(engine, prompt_tokens, prefill_chunk, rounds)))
+    if mode in ("shadow", "all"):
+        tables.append((f"4 clients about one image, {tokens} tokens each, the fidelity monitor off and on",
+                       _shadow_table(engine, tokens, rounds)))
     for what, lines in tables:
         print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {threads} threads, "
               f"model {model_dir or config} ({engine.adapter.num_layers} layers), {what}, "

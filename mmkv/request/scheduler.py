@@ -139,12 +139,13 @@ class Scheduler:
     returns a future of the request's GenerationResult; its keyword arguments are `Engine.start`'s.
     `prefill_chunk`: prompt tokens per prefill forward between decode steps (0: whole prefills)."""
 
-    def __init__(self, engine, max_batch: int = 8, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+    def __init__(self, engine, max_batch: int = 8, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, shadow=None):
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         if prefill_chunk < 0:
             raise ValueError("prefill_chunk must be >= 0 (0: prefills are not chunked)")
         self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
+        self.shadow = shadow  # mmkv.request.shadow.ShadowMonitor or None: fidelity shadows in idle turns
         self.batch: DecodeBatch | None = None  # made on first use: building a scheduler touches no model
         self._waiting: deque[_Request] = deque()
         self._prefilling: list[_Request] = []  # admitted, their forwards not finished
@@ -220,7 +221,8 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._waiting or self._prefilling or self._running or self._stopping):
+                while not (self._waiting or self._prefilling or self._running or self._stopping
+                           or (self.shadow is not None and self.shadow.pending)):
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -234,6 +236,8 @@ class Scheduler:
                     self._prefill()
                 if self._running:
                     self._step()
+                elif not (self._prefilling or self._waiting) and self.shadow is not None and self.shadow.pending:
+                    self.shadow.step(self.engine._lock)  # idle: one chunk of a fidelity shadow
             except BaseException as exc:  # noqa: BLE001 - a fault outside any one request's stages
                 log.exception("scheduler turn failed; failing the requests in flight")
                 self._fail_in_flight(exc)
@@ -295,6 +299,8 @@ class Scheduler:
             self._prefilling.remove(req)
             req.token = run.stream.step(run.first_logits)
             run.first_token_out()
+            if self.shadow is not None:
+                self.shadow.offer(run.report, run.first_logits, run.exact)
             if req.token is None:
                 req.future.set_result(run.result())
                 return
