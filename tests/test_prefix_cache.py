@@ -58,7 +58,9 @@ def test_a_reference_block_is_charged_at_least_its_heap(chunk, blocks, per_reque
     """issue finding 15: a ChunkRefBlock was charged 128 bytes against the cache budget but held
     about 1 KB of heap (the block, its key with a dict, the store's indexes); the charge per block
     now covers what the block, its key strings and the store's bookkeeping for it really hold."""
-    charged, held = _store_references(chunk, blocks, per_request)
+    # tracemalloc sees every thread's allocations (servers and writers other tests left running):
+    # what the blocks hold is the least of three runs, as noise only adds
+    charged, held = min((_store_references(chunk, blocks, per_request) for _ in range(3)), key=lambda r: r[1])
     print(f"{blocks} blocks, {per_request} a request: {held / blocks:.0f} B of heap a block, charged {charged / blocks:.0f}")
     assert charged >= held
 
