@@ -32,6 +32,7 @@ import torch
 # system turn "You are a helpful assistant.", "Picture N: " / "Video N: " under add_vision_id); the
 # tiny models already use it verbatim.
 from mmkv.testing.tiny import CHAT_TEMPLATE as QWEN2_VL_CHAT_TEMPLATE
+from mmkv.testing.tiny import QWEN3_FAMILIES  # their config and weight names are transformers 5's own
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "samples" / "tokenizers" / "qwen"
 
@@ -213,7 +214,7 @@ RELEASED: dict[str, ReleasedCheckpoint] = {
         tie_word_embeddings=False, chat_template=QWEN3_VL_CHAT_TEMPLATE,
         preprocessor_config=_QWEN3_PREPROCESSOR, video_preprocessor_config=_QWEN3_VIDEO_PREPROCESSOR),
 }
-QWEN3_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")  # config and weight names as transformers 5 spells them
+
 # The MoE's fused expert weights, stored [experts, in, out] as released (transformers 5 holds them
 # [experts, out, in] and transposes on load).
 EXPERT_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
