@@ -11,8 +11,9 @@ from mmkv.errors import ModelLoadError
 from .base import ImageFeatures, RopeLayout, VLAdapter, read_model_type
 from .qwen2_vl import Qwen2VLAdapter
 from .qwen3_vl import Qwen3VLAdapter
+from .qwen3_vl_moe import Qwen3VLMoeAdapter
 
-ADAPTERS: tuple[type[VLAdapter], ...] = (Qwen2VLAdapter, Qwen3VLAdapter)
+ADAPTERS: tuple[type[VLAdapter], ...] = (Qwen2VLAdapter, Qwen3VLAdapter, Qwen3VLMoeAdapter)
 
 
 def adapter_class(model_type: str) -> type[VLAdapter]:

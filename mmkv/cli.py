@@ -225,6 +225,33 @@ def serve(
         engine.close()  # queued tier writes land, the store directory is released
 
 
+@app.command()
+def selftest(
+    model_dir: Annotated[str | None, typer.Argument(
+        envvar="MMKV_MODEL_DIR", show_default=False,
+        help="A checkpoint dir or hub id in the local cache, as `mmkv serve` takes it. Default: the bundled "
+             "sample model.")] = None,
+    device: Annotated[str | None, typer.Option(envvar="MMKV_DEVICE",
+                                               help="cpu, cuda or cuda:N. Default: cuda when present.")] = None,
+    dtype: Annotated[str | None, typer.Option(envvar="MMKV_DTYPE", help="float32, bfloat16 or float16. "
+                                              "Default: bfloat16 on CUDA, float32 on CPU.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
+) -> None:
+    """Check that cached KV computes what the model computes, on this device and dtype: the splice
+    against its oracle, re-rotated keys, batched decoding, an image and a skill round trip. Exit
+    code 1 when a check fails, 2 when the model does not load."""
+    from mmkv.errors import MMKVError
+    from mmkv.selftest import format_report, run_selftest
+
+    try:
+        report = run_selftest(model_dir, device=device, dtype=dtype)
+    except MMKVError as exc:
+        typer.echo(f"mmkv selftest: {getattr(exc, 'message', None) or exc}", err=True)
+        raise typer.Exit(code=2) from None
+    typer.echo(json.dumps(report.as_json(), indent=2) if json_out else format_report(report))
+    raise typer.Exit(code=0 if report.passed else 1)
+
+
 from mmkv.vqa_eval.cli import eval_command  # noqa: E402  (its heavy imports happen inside)
 
 app.command(name="eval")(eval_command)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from mmkv.testing.tiny import FAMILIES, save_tiny_checkpoint
+from mmkv.testing.tiny import FAMILIES, QWEN3_FAMILIES, save_tiny_checkpoint
 
 torch.set_num_threads(1)
 # `mmkv serve` keeps a disk tier under ~/.cache/mmkv by default: servers the tests start stay RAM-only
@@ -27,7 +27,7 @@ INIT = 0.1
 
 
 def _rope(family: str) -> dict:
-    if family == "qwen3_vl":
+    if family in QWEN3_FAMILIES:
         return {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
     return {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [2, 3, 3]}
 

@@ -1,5 +1,5 @@
 """The package layout: the public API stays importable, and every import inside `mmkv/` points down
-the floors docs/structure.md names (cli -> bench -> engine -> request -> store -> images, hub ->
+the floors docs/structure.md names (cli -> selftest, bench -> engine -> request -> store -> images, hub ->
 kv, testing -> errors), so no module imports one above it and no two rooms import each other."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "mmkv"
-FLOORS = {"cli": 0, "bench": 1, "engine": 2, "request": 3, "store": 4, "images": 5, "hub": 5,
+FLOORS = {"cli": 0, "selftest": 1, "bench": 1, "engine": 2, "request": 3, "store": 4, "images": 5, "hub": 5,
           "kv": 6, "testing": 6, "errors": 7}
 
 
@@ -62,6 +62,6 @@ def test_public_api(name):
 
 @pytest.mark.parametrize("module", ["mmkv.errors", "mmkv.engine", "mmkv.cli", "mmkv.request.scheduler",
                                     "mmkv.store.tiers", "mmkv.bench.command", "mmkv.testing.tiny",
-                                    "mmkv.server.app", "mmkv.adapters", "mmkv.vqa_eval.cli"])
+                                    "mmkv.server.app", "mmkv.adapters", "mmkv.vqa_eval.cli", "mmkv.selftest"])
 def test_modules_import(module):
     importlib.import_module(module)

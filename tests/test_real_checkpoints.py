@@ -27,7 +27,8 @@ from mmkv.cli import app
 from mmkv.errors import ModelLoadError
 from mmkv.hub import resolve_model
 from mmkv.request.oracle import block_masked_logits
-from mmkv.testing.realshape import QWEN2_5_VL_YARN, RELEASED, SPECIAL_IDS, save_real_checkpoint
+from mmkv.testing.realshape import (EXPERT_WEIGHTS, QWEN2_5_VL_YARN, QWEN3_FAMILIES, RELEASED, SPECIAL_IDS,
+                                   save_real_checkpoint)
 from mmkv.kv.rerotate import reposition_keys
 from mmkv.request.splice import precompile_image, prefill_spliced
 
@@ -47,7 +48,7 @@ SPLICE_TOL = {torch.float32: 1e-4, torch.bfloat16: 8e-2, torch.float16: 1e-2}
 # ---- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    """A hub cache holding the three real-shape checkpoints and a YaRN variant, as HF_HUB_CACHE.
+    """A hub cache holding the real-shape checkpoints and a YaRN variant, as HF_HUB_CACHE.
     initializer_range 0.05 (released models train from 0.02): random weights that attend by position
     enough for a wrong rotation to show (the no-rotation control below must fail)."""
     root = tmp_path_factory.mktemp("hub")
@@ -154,7 +155,7 @@ def test_hub_layout_and_released_settings(hub, engines):
         ad = engines[fam].adapter
         assert engines[fam].model_id == spec.repo_id
         ip = ad.processor.image_processor
-        assert (ip.patch_size, ip.merge_size, ip.temporal_patch_size) == (16 if fam == "qwen3_vl" else 14, 2, 2)
+        assert (ip.patch_size, ip.merge_size, ip.temporal_patch_size) == (16 if fam in QWEN3_FAMILIES else 14, 2, 2)
         released = spec.preprocessor_config
         size = released.get("size") or {"shortest_edge": released["min_pixels"], "longest_edge": released["max_pixels"]}
         assert dict(ip.size) == size and list(ip.image_mean) == released["image_mean"]
@@ -167,13 +168,18 @@ def test_hub_layout_and_released_settings(hub, engines):
             spec.tie_word_embeddings
     assert engines["qwen2_5_vl"].adapter.config.vision_config.fullatt_block_indexes == [1, 3]
     assert engines["qwen3_vl"].adapter.config.vision_config.deepstack_visual_indexes == [1, 2, 3]
+    moe = engines["qwen3_vl_moe"].adapter
+    assert type(moe).__name__ == "Qwen3VLMoeAdapter" and moe.config.vision_config.deepstack_visual_indexes == [1, 2, 3]
+    assert (moe.text_config.num_experts, moe.text_config.num_experts_per_tok, moe.text_config.num_key_value_heads,
+            moe.text_config.num_attention_heads) == (8, 2, 1, 8)
+    assert all(type(layer.mlp).__name__ == "Qwen3VLMoeTextSparseMoeBlock" for layer in moe.language_model.layers)
 
 
 def _loaded_name(family: str, released: str) -> str:
     """transformers 5's name for a weight as the released checkpoint spells it."""
-    if family != "qwen3_vl" and released.startswith("visual."):
+    if family not in QWEN3_FAMILIES and released.startswith("visual."):
         return "model." + released
-    if family != "qwen3_vl" and released.startswith("model."):
+    if family not in QWEN3_FAMILIES and released.startswith("model."):
         return "model.language_model." + released.removeprefix("model.")
     return released
 
@@ -181,20 +187,28 @@ def _loaded_name(family: str, released: str) -> str:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_released_config_and_weight_names_load_every_tensor(engines, family):
     """config.json and the weight names are spelled as released (transformers 4.x for Qwen2/2.5-VL);
-    every stored tensor must arrive in the loaded model, none left to random init."""
+    every stored tensor must arrive in the loaded model, none left to random init (the MoE's fused
+    expert weights stored [experts, in, out] as released, transposed on load)."""
     snapshot = resolve_model(RELEASED[family].repo_id).path
     config = json.loads((snapshot / "config.json").read_text())
     weight_map = json.loads((snapshot / "model.safetensors.index.json").read_text())["weight_map"]
     loaded = engines[family].adapter.model.state_dict()
-    if family == "qwen3_vl":
+    if family in QWEN3_FAMILIES:
         assert "rope_scaling" in config["text_config"] and "model.language_model.embed_tokens.weight" in weight_map
     else:
         assert config["rope_scaling"]["type"] == "mrope" and "model.embed_tokens.weight" in weight_map
         assert "visual.blocks.0.attn.qkv.weight" in weight_map
     assert ("lm_head.weight" in weight_map) != RELEASED[family].tie_word_embeddings
+    experts = [n for n in weight_map if n.endswith(EXPERT_WEIGHTS)]
+    assert len(experts) == (2 * config["text_config"]["num_hidden_layers"] if family == "qwen3_vl_moe" else 0)
     for name, shard in weight_map.items():
         with safe_open(snapshot / shard, "pt") as f:
-            assert torch.equal(loaded[_loaded_name(family, name)].to(torch.bfloat16), f.get_tensor(name)), name
+            stored = f.get_tensor(name)
+        got = loaded[_loaded_name(family, name)].to(torch.bfloat16)
+        if name in experts:  # not square, so only the transpose matches
+            assert got.shape[1] != got.shape[2]
+            got = got.transpose(1, 2)
+        assert torch.equal(got, stored), name
     assert len({_loaded_name(family, n) for n in weight_map}) == len(weight_map)
 
 
@@ -209,7 +223,7 @@ def test_prompt_ids_match_the_processor(engines, family, case):
     assert got == expected
     n_pads = sum(int(g.prod()) // 4 for g in grids) if grids is not None else 0
     assert got.count(SPECIAL_IDS["<|image_pad|>"]) == n_pads
-    default_system = family != "qwen3_vl" and case != "system"
+    default_system = family not in QWEN3_FAMILIES and case != "system"
     assert (engine.adapter.tokenizer.decode(got[:12]).startswith("<|im_start|>system\nYou are a helpful assistant."))\
         == default_system
 
@@ -217,7 +231,7 @@ def test_prompt_ids_match_the_processor(engines, family, case):
 # Below min_pixels (upscaled), ordinary, extreme aspect, and above max_pixels (downscaled).
 SIZES = {"qwen2_vl": [(20, 20), (640, 480), (1400, 30)],
          "qwen2_5_vl": [(20, 20), (333, 517), (4000, 3300)],
-         "qwen3_vl": [(20, 20), (333, 517), (1400, 30), (4200, 4100)]}
+         "qwen3_vl": [(20, 20), (333, 517), (1400, 30), (4200, 4100)], "qwen3_vl_moe": [(20, 20), (333, 517)]}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -11,8 +11,10 @@ index, inside a Hugging Face hub-cache layout (models--Qwen--X/{refs/main, snaps
 Deviations from the released shapes, all forced by CPU test budgets: 2-4 LM layers and 4 vision
 blocks (released 28-36 and 27-32); LM hidden 256 (the 151k-row embedding dominates memory), hence
 Qwen2/2.5-VL, whose head_dim is hidden / heads, keep 2 query heads per KV head (released 6-7),
-while Qwen3-VL, whose head_dim is set apart, keeps its released 4; vision towers keep their head
-dims (80, 72) with 2 heads.
+while Qwen3-VL, whose head_dim is set apart, keeps its released 4 (the MoE its released 8); vision
+towers keep their head dims (80, 72) with 2 heads. Qwen3-VL MoE keeps its sparse MLP in every layer
+with 8 experts, 2 per token (released 128 and 8), each 96 wide (released 768 at hidden 2048: the
+same ratio), its expert weights stored fused and transposed as released.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 # system turn "You are a helpful assistant.", "Picture N: " / "Video N: " under add_vision_id); the
 # tiny models already use it verbatim.
 from mmkv.testing.tiny import CHAT_TEMPLATE as QWEN2_VL_CHAT_TEMPLATE
+from mmkv.testing.tiny import QWEN3_FAMILIES  # their config and weight names are transformers 5's own
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "samples" / "tokenizers" / "qwen"
 
@@ -141,6 +144,15 @@ _SPECIAL_CONFIG = dict(bos_token_id=151643, eos_token_id=151645, pad_token_id=15
 _QWEN2_PREPROCESSOR = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
                        "merge_size": 2, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
                        "image_processor_type": "Qwen2VLImageProcessor"}
+# Qwen3-VL's preprocessor_config.json and video_preprocessor_config.json (8B and 30B-A3B alike).
+_QWEN3_PREPROCESSOR = {"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16,
+                       "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                       "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
+                       "image_processor_type": "Qwen2VLImageProcessorFast"}
+_QWEN3_VIDEO_PREPROCESSOR = {"size": {"longest_edge": 25165824, "shortest_edge": 4096}, "patch_size": 16,
+                             "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                             "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
+                             "video_processor_type": "Qwen3VLVideoProcessor"}
 
 RELEASED: dict[str, ReleasedCheckpoint] = {
     # Qwen2-VL-2B-Instruct: 12 heads / 2 KV, tied embeddings, vocab 151936.
@@ -183,15 +195,29 @@ RELEASED: dict[str, ReleasedCheckpoint] = {
                     hidden_act="gelu_pytorch_tanh", patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                     num_position_embeddings=2304, deepstack_visual_indexes=[1, 2, 3], in_channels=3),
         tie_word_embeddings=False, chat_template=QWEN3_VL_CHAT_TEMPLATE,
-        preprocessor_config={"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16,
-                             "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
-                             "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
-                             "image_processor_type": "Qwen2VLImageProcessorFast"},
-        video_preprocessor_config={"size": {"longest_edge": 25165824, "shortest_edge": 4096}, "patch_size": 16,
-                                   "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
-                                   "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
-                                   "video_processor_type": "Qwen3VLVideoProcessor"}),
+        preprocessor_config=_QWEN3_PREPROCESSOR, video_preprocessor_config=_QWEN3_VIDEO_PREPROCESSOR),
+    # Qwen3-VL-30B-A3B-Instruct: Qwen3-VL-8B's vision tower, template and processor; 32 heads / 4 KV
+    # of head_dim 128, 48 sparse layers of 128 experts (8 per token, 768 wide), untied, vocab 151936.
+    "qwen3_vl_moe": ReleasedCheckpoint(
+        repo_id="Qwen/Qwen3-VL-30B-A3B-Instruct",
+        text=dict(vocab_size=151936, hidden_size=256, intermediate_size=768, num_hidden_layers=3,
+                  num_attention_heads=8, num_key_value_heads=1, head_dim=128, max_position_embeddings=262144,
+                  rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, tie_word_embeddings=False,
+                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, decoder_sparse_step=1,
+                  mlp_only_layers=[],
+                  rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
+                                   "mrope_interleaved": True},
+                  **_SPECIAL_CONFIG),
+        vision=dict(depth=4, hidden_size=144, intermediate_size=544, num_heads=2, out_hidden_size=256,
+                    hidden_act="gelu_pytorch_tanh", patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                    num_position_embeddings=2304, deepstack_visual_indexes=[1, 2, 3], in_channels=3),
+        tie_word_embeddings=False, chat_template=QWEN3_VL_CHAT_TEMPLATE,
+        preprocessor_config=_QWEN3_PREPROCESSOR, video_preprocessor_config=_QWEN3_VIDEO_PREPROCESSOR),
 }
+
+# The MoE's fused expert weights, stored [experts, in, out] as released (transformers 5 holds them
+# [experts, out, in] and transposes on load).
+EXPERT_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 # Qwen2.5-VL's documented long-context setting (its model card): YaRN x4 over 32768 positions.
 QWEN2_5_VL_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
@@ -216,13 +242,14 @@ def _write_processor_files(family: str, snapshot: Path) -> None:
 
 def real_config(family: str, rope_parameters: dict | None = None, initializer_range: float = 0.02):
     """The narrow, shallow config of the family's released checkpoint (see the module docstring)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
     spec = RELEASED[family]
     text = dict(spec.text, initializer_range=initializer_range)
     if rope_parameters is not None:
         text["rope_parameters"] = rope_parameters
-    cls = {"qwen2_vl": Qwen2VLConfig, "qwen2_5_vl": Qwen2_5_VLConfig, "qwen3_vl": Qwen3VLConfig}[family]
+    cls = {"qwen2_vl": Qwen2VLConfig, "qwen2_5_vl": Qwen2_5_VLConfig, "qwen3_vl": Qwen3VLConfig,
+           "qwen3_vl_moe": Qwen3VLMoeConfig}[family]
     return cls(text_config=text, vision_config=dict(spec.vision, initializer_range=initializer_range),
                image_token_id=SPECIAL_IDS["<|image_pad|>"], video_token_id=SPECIAL_IDS["<|video_pad|>"],
                vision_start_token_id=SPECIAL_IDS["<|vision_start|>"],
@@ -231,13 +258,14 @@ def real_config(family: str, rope_parameters: dict | None = None, initializer_ra
 
 
 ARCHITECTURES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-                 "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+                 "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
 
 
 def released_config_json(family: str, rope_parameters: dict | None = None, initializer_range: float = 0.02) -> dict:
     """config.json spelled as the released checkpoint spells it (transformers 4.x): Qwen2/2.5-VL flat,
-    with `rope_scaling` {"type": "mrope", ...}; Qwen3-VL nested, with `rope_scaling` in text_config.
-    transformers 5 converts both on load, as it does for a downloaded checkpoint."""
+    with `rope_scaling` {"type": "mrope", ...}; Qwen3-VL nested, with `rope_scaling` in text_config
+    (the MoE's vision_config under the model's own type, and `norm_topk_prob`). transformers 5
+    converts them on load, as it does for a downloaded checkpoint."""
     spec = RELEASED[family]
     rope = dict(rope_parameters or spec.text["rope_parameters"])
     theta, rope_type = rope.pop("rope_theta"), rope.pop("rope_type")
@@ -248,9 +276,11 @@ def released_config_json(family: str, rope_parameters: dict | None = None, initi
            "image_token_id": SPECIAL_IDS["<|image_pad|>"], "video_token_id": SPECIAL_IDS["<|video_pad|>"],
            "vision_start_token_id": SPECIAL_IDS["<|vision_start|>"],
            "vision_end_token_id": SPECIAL_IDS["<|vision_end|>"], "tie_word_embeddings": spec.tie_word_embeddings}
-    if family == "qwen3_vl":
-        text.update(model_type="qwen3_vl_text", rope_scaling={"rope_type": rope_type, **rope})
-        return {**out, "text_config": text, "vision_config": {**vision, "model_type": "qwen3_vl"},
+    if family in QWEN3_FAMILIES:
+        text.update(model_type=f"{family}_text", rope_scaling={"rope_type": rope_type, **rope})
+        if family == "qwen3_vl_moe":
+            text["norm_topk_prob"] = True
+        return {**out, "text_config": text, "vision_config": {**vision, "model_type": family},
                 "transformers_version": "4.57.0.dev0"}
     scaling = {"type": "mrope" if rope_type == "default" else rope_type, **rope}
     return {**out, **text, "rope_scaling": scaling, "vision_config": vision, "initializer_range": initializer_range,
@@ -260,13 +290,18 @@ def released_config_json(family: str, rope_parameters: dict | None = None, initi
 def _released_weight_name(family: str, name: str) -> str:
     """Qwen2/2.5-VL were released before transformers nested the LM and the vision tower:
     model.layers.*, visual.*; Qwen3-VL's names are transformers 5's own."""
-    if family == "qwen3_vl":
+    if family in QWEN3_FAMILIES:
         return name
     if name.startswith("model.language_model."):
         return "model." + name.removeprefix("model.language_model.")
     if name.startswith("model.visual."):
         return name.removeprefix("model.")
     return name
+
+
+def _released_layout(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A fused expert weight as released, [experts, in, out]; any other tensor as it is."""
+    return tensor.transpose(1, 2).contiguous() if name.endswith(EXPERT_WEIGHTS) else tensor
 
 
 def _respell_as_released(family: str, snapshot: Path, config: dict) -> None:
@@ -276,8 +311,8 @@ def _respell_as_released(family: str, snapshot: Path, config: dict) -> None:
     index = json.loads(index_path.read_text())
     for shard in sorted(set(index["weight_map"].values())):
         tensors = load_file(snapshot / shard)
-        save_file({_released_weight_name(family, k): v for k, v in tensors.items()}, snapshot / shard,
-                  metadata={"format": "pt"})
+        save_file({_released_weight_name(family, k): _released_layout(k, v) for k, v in tensors.items()},
+                  snapshot / shard, metadata={"format": "pt"})
     index["weight_map"] = {_released_weight_name(family, k): v for k, v in index["weight_map"].items()}
     index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     (snapshot / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -20,11 +20,16 @@ from transformers import (
     Qwen2VLProcessor,
     Qwen2VLVideoProcessor,
     Qwen3VLConfig,
+    Qwen3VLMoeConfig,
     Qwen3VLProcessor,
     Qwen3VLVideoProcessor,
 )
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+QWEN3_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")  # interleaved mrope, deepstack, patch 16, Qwen3VLProcessor
+# Qwen3-VL MoE's sparse MLP, small: 4 experts of width 48 (gate_up_proj not square, so a wrong
+# transpose on load shows), 2 per token, in every layer.
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1)
 
 # Qwen's special tokens, in Qwen's order, so ids keep their usual meaning.
 SPECIAL_TOKENS = [
@@ -125,13 +130,16 @@ def tiny_config(family: str, tokenizer, **overrides):
         eos_token_id=eos,
         pad_token_id=pad,
     )
-    if family == "qwen3_vl":
+    if family in QWEN3_FAMILIES:
         text.update(head_dim=head_dim, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                        "mrope_section": [4, 2, 2], "mrope_interleaved": True})
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                       patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                       num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
         cls = Qwen3VLConfig
+        if family == "qwen3_vl_moe":
+            text.update(TINY_MOE)
+            cls = Qwen3VLMoeConfig
     else:
         text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
         if family == "qwen2_5_vl":
@@ -150,10 +158,10 @@ def tiny_config(family: str, tokenizer, **overrides):
 
 def build_processor(family: str, tokenizer, min_pixels: int = 56 * 56, max_pixels: int = 224 * 224):
     """The family's real processor class around `tokenizer`, with the token grid bounded by pixels."""
-    patch = 16 if family == "qwen3_vl" else 14
+    patch = 16 if family in QWEN3_FAMILIES else 14
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
     image_processor = Qwen2VLImageProcessor(size=size, patch_size=patch, merge_size=2, temporal_patch_size=2)
-    if family == "qwen3_vl":
+    if family in QWEN3_FAMILIES:
         video = Qwen3VLVideoProcessor(patch_size=patch, merge_size=2, temporal_patch_size=2)
         return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video,
                                 chat_template=CHAT_TEMPLATE)
