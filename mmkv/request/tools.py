@@ -9,7 +9,8 @@ template. A template with no tool support refuses `tools` instead of ignoring th
 `tool_choice`: "auto" (the default when tools are given) lets the model choose; "none" renders
 the tools but never parses a call; "required" and a named function start the assistant turn
 with the opening of a call (`<tool_call>\\n{"name": "` and, when named, the name), so the model
-can only complete a call.
+can only complete a call, and the call's arguments decode under the tool's `parameters` schema
+(mmkv.request.grammar).
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ def check_tools(tools: Any, tool_choice: Any = None) -> ToolSpec | None:
             raise InvalidRequestError(f"{param}.function.parameters must be a JSON schema object",
                                       param=f"{param}.function.parameters")
         if "strict" in fn and fn["strict"]:
-            raise InvalidRequestError(f"{param}.function.strict is not supported (no schema-constrained decoding)",
-                                      param=f"{param}.function.strict")
+            raise InvalidRequestError(f"{param}.function.strict is not supported: a call is decoded under its "
+                                      f"parameters schema only when tool_choice forces it", param=f"{param}.function.strict")
         for key in ("description", "parameters"):
             if key in fn:
                 _check_strings(fn[key], f"{param}.function.{key}")
