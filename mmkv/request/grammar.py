@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from mmkv.errors import InvalidRequestError
-from mmkv.request.tools import CLOSE, MAX_SCHEMA_DEPTH, OPEN, ToolSpec
+from mmkv.request.tools import ARGUMENTS, CALL_END, CALL_HEAD, CLOSE, MAX_SCHEMA_DEPTH, OPEN, ToolSpec
 
 # Python's json.dumps separators: the JSON the Qwen templates show the model (`tojson`), no free whitespace.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
@@ -43,7 +43,6 @@ GRAMMAR_CACHE_ENTRIES = 64
 # The lexer builds its states on demand, 1-2 kB each (llguidance's figure): this bounds one request's
 # matcher at about 32 MiB; each step's work is bounded by llguidance's default fuel (about 15 ms).
 LIMITS = dict(max_lexer_states=16_384)
-ARGUMENTS = '", "arguments": '  # between a call's name and its arguments (tools.ToolSpec.forced_prefix)
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a tool without `parameters`
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_DIGITS, MAX_EXPONENT_DIGITS = 17, 2  # a float64's significant digits; |exponent| < 100 stays finite
@@ -84,7 +83,7 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
         raise InvalidRequestError(f"{param}.name must match [A-Za-z0-9_-]{{1,64}}", param=f"{param}.name")
     if "description" in spec and not isinstance(spec["description"], str):
         raise InvalidRequestError(f"{param}.description must be a string", param=f"{param}.description")
-    if spec.get("strict") not in (None, True, False):
+    if not isinstance(spec.get("strict", False), bool | None):  # 1 is not true
         raise InvalidRequestError(f"{param}.strict must be true or false", param=f"{param}.strict")
     if not isinstance(spec.get("schema"), dict):
         raise InvalidRequestError(f"{param}.schema must be a JSON schema object", param=f"{param}.schema")
@@ -118,6 +117,16 @@ class Vocabulary:
         self.size = vocab_size
         self.ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_ids)
         self.digit_first = torch.tensor([self.ll.decode_bytes([t])[:1].isdigit() for t in range(vocab_size)])
+        self.tokenizer = tokenizer
+
+    def literal(self, text: str) -> str:
+        """`text` in the grammar: a token of its own that llguidance reads as special (Qwen's
+        `<tool_call>` and `</tool_call>` are added tokens) by its id, else the quoted string."""
+        token = self.tokenizer.convert_tokens_to_ids(text)
+        if isinstance(token, int) and token < self.size and self.tokenizer.convert_ids_to_tokens(token) == text \
+                and self.ll.is_special_token(token):
+            return f"<[{token}]>"
+        return json.dumps(text)
 
     def text(self, token: int) -> bytes:
         return self.ll.decode_bytes([token])
@@ -206,17 +215,20 @@ class GrammarCompiler:
     def _forced_call(self, tools: ToolSpec) -> str:
         """The rest of the call after the forced prefix (`<tool_call>\\n{"name": "` and, for a named
         function, the name and `", "arguments": `): its arguments, `}`, the closing tag."""
-        tail = json.dumps("}\n" + CLOSE)
         if tools.choice == "function":
             i, fn = next((i, t["function"]) for i, t in enumerate(tools.tools)
                          if t["function"]["name"] == tools.forced_name)
-            return f"start: {self._arguments(fn, i)} {tail}\n"
-        return f"start: call {tail}\ncall: {self._named_arguments(tools)}\n"
+            return f"start: {self._arguments(fn, i)} {self._call_end()}\n"
+        return f"start: call {self._call_end()}\ncall: {self._named_arguments(tools)}\n"
 
     def _calls(self, tools: ToolSpec) -> str:
         """Tool calls as the Qwen templates write them, each call's arguments under its tool's schema."""
-        head, tail, newline = json.dumps(OPEN + '\n{"name": "'), json.dumps("}\n" + CLOSE), json.dumps("\n")
-        return f"calls: call ({newline} call)*\ncall: {head} ({self._named_arguments(tools)}) {tail}\n"
+        head = f"{self.vocab.literal(OPEN)} {json.dumps(CALL_HEAD)}"
+        return (f"calls: call ({json.dumps(chr(10))} call)*\n"
+                f"call: {head} ({self._named_arguments(tools)}) {self._call_end()}\n")
+
+    def _call_end(self) -> str:
+        return f"{json.dumps(CALL_END)} {self.vocab.literal(CLOSE)}"
 
     def _named_arguments(self, tools: ToolSpec) -> str:
         """`NAME", "arguments": {...}` for each tool, as alternatives."""
@@ -278,6 +290,12 @@ def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else "unknown error"
 
 
+def _one_line(message: str, limit: int = 400) -> str:
+    """A multi-line library message on one line, without its caret markers (`^^^`)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip().strip("^")]
+    return " ".join(lines)[:limit]
+
+
 def _schema_error(schema: dict, param: str, message: str) -> InvalidRequestError:
     """The library's refusal as a 400; an unimplemented keyword is named with its path in the schema."""
     found = _UNIMPLEMENTED.search(message)
@@ -287,7 +305,7 @@ def _schema_error(schema: dict, param: str, message: str) -> InvalidRequestError
         where = f"{param}.{path}" if path else param
         return InvalidRequestError(f"{where}: JSON schema keyword(s) {', '.join(keys)} not supported in "
                                    f"structured outputs", param=where)
-    return InvalidRequestError(f"{param} is not supported in structured outputs: {_first_line(message)}", param=param)
+    return InvalidRequestError(f"{param} is not supported in structured outputs: {_one_line(message)}", param=param)
 
 
 def _path_of_key(schema: Any, keys: set[str]) -> str | None:

@@ -25,6 +25,8 @@ from mmkv.errors import InvalidRequestError
 from mmkv.request.messages import check_text
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# a call as the Qwen templates write it: <tool_call>\n{"name": "NAME", "arguments": {...}}\n</tool_call>
+CALL_HEAD, ARGUMENTS, CALL_END = '\n{"name": "', '", "arguments": ', "}\n"
 MAX_TOOLS = 128
 MAX_SCHEMA_DEPTH = 32  # nesting of a tool's parameters (OpenAI's strict mode allows 5-10); a deeper one is a 400
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -56,9 +58,9 @@ class ToolSpec:
     def forced_prefix(self) -> str:
         """Text the assistant turn starts with, so the model can only complete a call."""
         if self.choice == "required":
-            return OPEN + '\n{"name": "'
+            return OPEN + CALL_HEAD
         if self.choice == "function":
-            return OPEN + '\n{"name": "' + self.forced_name + '", "arguments": '
+            return OPEN + CALL_HEAD + self.forced_name + ARGUMENTS
         return ""
 
 
