@@ -384,7 +384,8 @@ class Engine:
         start / end) are never sampled. With `logprobs`, `result.logprobs` holds one entry per
         generated token with the `top_logprobs` (0..20) most likely alternatives: log-softmax of
         the processed distribution, i.e. the logits after penalties, logit_bias, the vision-token
-        mask and temperature (temperature 1 when greedy), before top-k / top-p truncation.
+        mask, a grammar's mask and temperature (temperature 1 when greedy), before top-k / top-p
+        truncation; alternatives are only tokens that could be sampled.
         `on_logprobs(entries)` (only with `logprobs`) receives the entries of the tokens whose
         text forms the next `on_text` delta just before that call, and once more at the end for
         tokens that produced no text: each token exactly once. Bad values raise

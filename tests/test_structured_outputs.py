@@ -183,6 +183,21 @@ def test_openai_client_json_object(live):
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
 
+def test_logprobs_list_only_tokens_the_grammar_allows(live):
+    """Where the grammar allows fewer tokens than top_logprobs asks for, the alternatives are the
+    allowed ones: every logprob a finite number, never a token the grammar masked (was: null
+    logprobs of masked special tokens)."""
+    server, _ = live
+    reply = server.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=200, logprobs=True,
+                                                    top_logprobs=5, response_format=json_schema(ORDER))
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == reply.usage.completion_tokens
+    for entry in entries:
+        assert entry.top_logprobs and all(isinstance(t.logprob, float) and t.logprob <= 0 for t in entry.top_logprobs)
+        assert not any(t.token.startswith("<|") for t in entry.top_logprobs)
+    assert entries[0].top_logprobs[0].token == entries[0].token and entries[0].logprob == 0.0  # `{"` is forced
+
+
 CYCLE = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}
 UNSUPPORTED = [
     ({"not": {"type": "string"}}, "response_format.json_schema.schema.not", "not"),
