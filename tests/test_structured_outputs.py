@@ -124,10 +124,14 @@ def _digit_runs(text: str) -> list[str]:
     return runs + ([run] if run else [])
 
 
-def test_compiled_grammars_are_kept_in_a_bounded_lru(engine):
+def test_compiled_grammars_are_kept_in_a_bounded_lru(engine, monkeypatch):
     grammars = engine.grammars
     first = grammars.for_request(_format({"const": 0}), None)
-    assert grammars.for_request(_format({"const": 0}), None) is first  # compiled once
+    compiles = []
+    monkeypatch.setattr(grammars, "_compiled", lambda *a: compiles.append(a))
+    monkeypatch.setattr(grammars, "_json", lambda *a: compiles.append(a))
+    assert grammars.for_request(_format({"const": 0}), None) is first and not compiles  # checked, compiled once
+    monkeypatch.undo()
     for i in range(1, GRAMMAR_CACHE_ENTRIES + 1):
         grammars.for_request(_format({"const": i}), None)
     assert len(grammars._cache) == GRAMMAR_CACHE_ENTRIES
@@ -204,6 +208,8 @@ UNSUPPORTED = [
     ({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
      "response_format.json_schema.schema.properties.tags.uniqueItems", "uniqueItems"),
     ({"if": {"type": "string"}, "then": {"maxLength": 3}}, "response_format.json_schema.schema.if", "if"),
+    ({"type": "object", "properties": {"not": {"not": {}}}},  # a property named like the keyword is a name
+     "response_format.json_schema.schema.properties.not.not", "not"),
     (CYCLE, "response_format.json_schema.schema", "$ref cycle"),
     ({"type": "string", "format": "credit-card"}, "response_format.json_schema.schema", "credit-card"),
     ({"type": "string", "pattern": "(?=a)b"}, "response_format.json_schema.schema", "look-around"),

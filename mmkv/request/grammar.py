@@ -15,8 +15,8 @@ ends there. JSON is written compactly with Python's separators (`{"a": 1, "b": [
 whitespace, so no model can pad an answer with blanks until max_tokens.
 
 Schema features the library cannot enforce are refused (a 400 naming them), never ignored.
-Compiled grammars are kept in a small LRU keyed by the grammar's text (`GrammarCompiler`); each
-request decodes with its own copy of the compiled state.
+Compiled grammars are kept in a small LRU keyed by the schemas they come from (`GrammarCompiler`):
+a schema is checked and compiled once; each request decodes with its own copy of the compiled state.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +88,10 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
     if not isinstance(spec.get("schema"), dict):
         raise InvalidRequestError(f"{param}.schema must be a JSON schema object", param=f"{param}.schema")
     _check_depth(spec["schema"], f"{param}.schema")
+    try:
+        json.dumps(spec["schema"], allow_nan=False)
+    except (TypeError, ValueError):  # a Python caller's set or NaN: not JSON
+        raise InvalidRequestError(f"{param}.schema must be JSON", param=f"{param}.schema") from None
     return ResponseFormat(spec["schema"], f"{param}.schema")
 
 
@@ -186,8 +190,8 @@ class Grammar:
 
 class GrammarCompiler:
     """One engine's grammars: its `Vocabulary` (built on first use, 1-2 s for a 150k
-    vocabulary) and an LRU of compiled grammars keyed by their text (GRAMMAR_CACHE_ENTRIES).
-    Thread-safe."""
+    vocabulary) and an LRU of compiled grammars (GRAMMAR_CACHE_ENTRIES) keyed by what they are
+    compiled from (the schema's text, the tools and the choice). Thread-safe."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: set[int], entries: int = GRAMMAR_CACHE_ENTRIES):
         self.tokenizer, self.vocab_size, self.stop_ids, self.entries = tokenizer, vocab_size, sorted(stop_ids), entries
@@ -197,19 +201,31 @@ class GrammarCompiler:
         self.limits = llguidance.LLParserLimits(**LIMITS)
 
     def for_request(self, response_format: ResponseFormat | None, tools: ToolSpec | None) -> Grammar | None:
-        """The grammar of one request's answer, or None when nothing constrains it. Raises
-        InvalidRequestError naming the schema a feature of which cannot be enforced."""
+        """The grammar of one request's answer, or None when nothing constrains it; compiled once
+        for the same schemas and tools. Raises InvalidRequestError naming the schema a feature of
+        which cannot be enforced."""
         forced = tools is not None and tools.choice in ("required", "function")
         if response_format is None and not forced:
             return None
+        key = json.dumps([[response_format.schema, response_format.param] if response_format else None,
+                          [tools.tools, tools.choice, tools.forced_name] if tools else None])  # order kept: it is the output's
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
         if forced:
-            lark, param = self._forced_call(tools), "tool_choice"
+            grammar = self._compiled(self._forced_call(tools), "tool_choice")
         else:
             content = self._json(response_format.schema, response_format.param)
             calls = self._calls(tools) if tools is not None and tools.choice == "auto" else None
             lark = f"start: content | calls\ncontent: {content}\n{calls}" if calls else f"start: {content}\n"
-            param = response_format.param
-        return self._compiled(lark, param)
+            grammar = self._compiled(lark, response_format.param)
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > self.entries:
+                self._cache.popitem(last=False)
+        return grammar
 
     # ---- grammars (llguidance's Lark dialect, each JSON schema embedded as %json) -----------------
     def _forced_call(self, tools: ToolSpec) -> str:
@@ -257,11 +273,6 @@ class GrammarCompiler:
         return f"%json {json.dumps(styled)}"
 
     def _compiled(self, lark: str, param: str) -> Grammar:
-        with self._lock:
-            hit = self._cache.get(lark)
-            if hit is not None:
-                self._cache.move_to_end(lark)
-                return hit
         template = llguidance.LLMatcher(self.vocab.ll, llguidance.LLMatcher.grammar_from_lark(lark),
                                         log_level=0, limits=self.limits)
         if template.is_error():
@@ -271,12 +282,7 @@ class GrammarCompiler:
         if probe.is_error():
             raise InvalidRequestError(f"{param} admits no JSON value the model can write "
                                       f"({_first_line(probe.get_error())})", param=param)
-        grammar = Grammar(template, self.vocab, param)
-        with self._lock:
-            self._cache[lark] = grammar
-            while len(self._cache) > self.entries:
-                self._cache.popitem(last=False)
-        return grammar
+        return Grammar(template, self.vocab, param)
 
     @property
     def vocab(self) -> Vocabulary:
@@ -308,21 +314,25 @@ def _schema_error(schema: dict, param: str, message: str) -> InvalidRequestError
     return InvalidRequestError(f"{param} is not supported in structured outputs: {_one_line(message)}", param=param)
 
 
+_NAMES = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}  # keys there are names
+_DATA = {"enum", "const", "default", "examples"}  # values there are JSON data, not schemas
+
+
 def _path_of_key(schema: Any, keys: set[str]) -> str | None:
-    """The dotted path of the first occurrence of one of `keys` as a keyword in `schema` (breadth first)."""
-    queue = [(schema, "")]
-    for _ in range(10_000):  # bounded walk (the schema's depth is already bounded)
-        if not queue:
-            return None
-        node, path = queue.pop(0)
+    """The dotted path of the first occurrence of one of `keys` as a keyword in `schema` (breadth
+    first; a property named like a keyword, or data in an `enum`, is not one)."""
+    queue = deque([(schema, "", False)])  # (node, path, its keys are names)
+    while queue:
+        node, path, names = queue.popleft()
         if isinstance(node, dict):
             for key, value in node.items():
                 here = f"{path}.{key}" if path else key
-                if key in keys:
+                if key in keys and not names:
                     return here
-                queue.append((value, here))
+                if names or key not in _DATA:
+                    queue.append((value, here, not names and key in _NAMES))
         elif isinstance(node, list):
-            queue.extend((item, f"{path}[{i}]") for i, item in enumerate(node))
+            queue.extend((item, f"{path}[{i}]", False) for i, item in enumerate(node))
     return None
 
 
