@@ -30,6 +30,7 @@ from mmkv.store.kv_store import KVStore
 from mmkv.request.messages import parse_messages
 from mmkv.store.prefix_cache import PrefixCache
 from mmkv.request.decode import DecodeStream
+from mmkv.request.grammar import GrammarCompiler
 from mmkv.request.sampling import TokenLogprob, TokenTexts
 from mmkv.request.spec import RequestSpec, build_spec
 from mmkv.request.tools import ContentFilter, ToolCall, ToolSpec
@@ -223,6 +224,7 @@ class Engine:
         self.vocab_size = int(adapter.text_config.vocab_size)
         self.banned_ids = self._processor_only_ids()
         self.token_texts = TokenTexts(adapter.tokenizer)
+        self.grammars = GrammarCompiler(adapter.tokenizer, self.vocab_size, self.stop_ids)  # structured outputs
         limit = adapter.text_config.max_position_embeddings
         self.max_context = min(self.settings.max_context or limit, limit)
         # place cached KV (edit detection, edit policies, prefix cache, splice): mmkv.request.place
@@ -382,8 +384,8 @@ class Engine:
         scheduler drives (mmkv.request.scheduler). The same arguments as `generate`; keyword
         arguments: max_new_tokens (64), temperature, top_p, top_k, seed, stop, presence_penalty,
         frequency_penalty, logit_bias, logprobs, top_logprobs, reuse (True), seam_tokens,
-        rope_policy, tenant, fidelity, edit_policy, tools, tool_choice, on_text, should_stop,
-        on_logprobs (mmkv.request.spec.build_spec checks them).
+        rope_policy, tenant, fidelity, edit_policy, tools, tool_choice, response_format, on_text,
+        should_stop, on_logprobs (mmkv.request.spec.build_spec checks them).
 
         Answer OpenAI-shaped `messages`. `reuse=False` is the reference: one full causal forward.
 
@@ -400,7 +402,8 @@ class Engine:
         start / end) are never sampled. With `logprobs`, `result.logprobs` holds one entry per
         generated token with the `top_logprobs` (0..20) most likely alternatives: log-softmax of
         the processed distribution, i.e. the logits after penalties, logit_bias, the vision-token
-        mask and temperature (temperature 1 when greedy), before top-k / top-p truncation.
+        mask, a grammar's mask and temperature (temperature 1 when greedy), before top-k / top-p
+        truncation; alternatives are only tokens that could be sampled.
         `on_logprobs(entries)` (only with `logprobs`) receives the entries of the tokens whose
         text forms the next `on_text` delta just before that call, and once more at the end for
         tokens that produced no text: each token exactly once. Bad values raise
@@ -409,13 +412,19 @@ class Engine:
         `tools` / `tool_choice` (OpenAI's function tools, mmkv.request.tools) render through the chat
         template (refused when it has no tool support); `<tool_call>` blocks in the answer become
         `result.tool_calls` (finish_reason "tool_calls") and never reach `on_text`.
+
+        `response_format` (OpenAI's: {"type": "json_object"} or {"type": "json_schema", "json_schema":
+        {"name", "schema", "strict"}}) and a forced `tool_choice` decode under a grammar
+        (mmkv.request.grammar): a finished answer parses and validates against the schema; one cut
+        by max_new_tokens ends with finish_reason "length" and is cut mid-JSON, as OpenAI's.
         """
         return self.start_request(self.request_spec(messages, **kwargs))
 
     def request_spec(self, messages, **kwargs) -> RequestSpec:
         """`start`'s keyword arguments validated into one `RequestSpec` (the first stage)."""
         return build_spec(messages, vocab_size=self.vocab_size, default_seam=self.settings.seam_tokens,
-                          default_policy=self.settings.rope_policy, tool_spec=self.planner.tool_spec, **kwargs)
+                          default_policy=self.settings.rope_policy, tool_spec=self.planner.tool_spec,
+                          grammars=self.grammars, **kwargs)
 
     def start_request(self, spec: RequestSpec) -> Run:
         """The stages after validation (docs/structure.md): the prompt (messages parsed, images and
@@ -505,7 +514,8 @@ class Engine:
             tokenizer=self.adapter.tokenizer, token_texts=self.token_texts, stop_ids=self.stop_ids,
             banned_ids=self.banned_ids, sampling=spec.sampling, stops=spec.stops, max_new_tokens=spec.max_new_tokens,
             first_position=int(plan.positions.max()) + 1, on_text=content, on_logprobs=spec.on_logprobs,
-            should_stop=spec.should_stop, t0=t0, device=self.adapter.device)
+            should_stop=spec.should_stop, t0=t0, device=self.adapter.device,
+            grammar=spec.grammar.matcher() if spec.grammar is not None else None)
 
     def _run_under_lock(self, fn: Callable[[], object] | None) -> Callable[[], None] | None:
         if fn is None:

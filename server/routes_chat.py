@@ -104,7 +104,7 @@ class ChatCompletions:
             frequency_penalty=body.frequency_penalty, logit_bias=body.token_logit_bias(), logprobs=body.logprobs,
             top_logprobs=body.top_logprobs, reuse=body.mmkv.reuse, seam_tokens=body.mmkv.seam_tokens,
             rope_policy=body.mmkv.rope_policy, edit_policy=body.mmkv.edit_policy, fidelity=body.mmkv.fidelity,
-            tenant=tenant, tools=body.tools, tool_choice=body.tool_choice,
+            tenant=tenant, tools=body.tools, tool_choice=body.tool_choice, response_format=body.response_format,
         )
 
     async def complete(self, request: Request, body: ChatCompletionRequest, messages, kwargs,

@@ -153,10 +153,23 @@ _FUNCTION_TOOL = {"type": "object", "required": ["type", "function"], "propertie
         "parameters": {"type": "object"}, "strict": {"enum": [False, None]}}}}}
 
 
+# OpenAI's response_format as mmkv.request.grammar.parse_response_format accepts it (the schema itself is
+# checked when it compiles: a feature structured outputs cannot enforce is a 400 naming it).
+_RESPONSE_FORMAT = {"anyOf": [
+    {"type": "object", "required": ["type"], "additionalProperties": False,
+     "properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False, "properties": {
+        "type": {"const": "json_schema"},
+        "json_schema": {"type": "object", "required": ["name", "schema"], "additionalProperties": False, "properties": {
+            "name": _TOOL_NAME, "description": {"type": "string"}, "schema": {"type": "object"},
+            "strict": {"type": ["boolean", "null"]}}}}},
+    {"type": "null"}]}
+
+
 # OpenAI's chat-completions request fields that mmkv does not implement, each with the values that
 # mean "off" (accepted, since they ask for nothing); any other value is a 400 naming the field.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},), "audio": (), "modalities": (["text"],),
+    "functions": ([],), "function_call": ("none",), "audio": (), "modalities": (["text"],),
     "prediction": (), "reasoning_effort": (), "verbosity": (), "web_search_options": (), "store": (False,),
     "metadata": (), "service_tier": ("auto", "default"), "prompt_cache_retention": (),
 }
@@ -282,6 +295,9 @@ class ChatCompletionRequest(BaseModel):
             "function": {"type": "object", "required": ["name"], "properties": {"name": _TOOL_NAME}}}},
         {"type": "null"}]})] = None
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (the first).")
+    response_format: Annotated[dict[str, Any] | None, WithJsonSchema(_RESPONSE_FORMAT)] = Field(
+        None, description="json_object or json_schema: the answer is decoded under the schema's grammar "
+                          "(docs/server.md, structured outputs).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     mmkv: MMKVOptions = Field(default_factory=MMKVOptions)

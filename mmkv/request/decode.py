@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from tokenizers.decoders import DecodeStream as TokenizersDecodeStream
 
+from mmkv.request.grammar import GrammarMatcher
 from mmkv.request.sampling import Sampler, SamplingParams, TokenLogprob, logprobs_of
 
 
@@ -58,19 +59,22 @@ class Detokenizer:
 
 class DecodeStream:
     """Feed it the next-token logits with `step`; it returns the token to run next, or None once
-    the request is done (stop token or string, max tokens, cancellation). Not thread-safe: one
-    driver at a time."""
+    the request is done (stop token or string, max tokens, cancellation, a grammar completed). With
+    a `grammar`, the tokens it does not allow next are masked before sampling (a stop token only
+    where it accepts) and the answer ends as soon as it is complete. Not thread-safe: one driver at
+    a time."""
 
     def __init__(self, *, tokenizer, token_texts, stop_ids: set[int], banned_ids: list[int],
                  sampling: SamplingParams, stops: list[str], max_new_tokens: int, first_position: int,
                  on_text: Callable[[str], None] | None = None,
                  on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
                  should_stop: Callable[[], bool] | None = None, t0: float | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", grammar: GrammarMatcher | None = None):
         self.detokenizer, self.token_texts, self.stop_ids = Detokenizer(tokenizer), token_texts, stop_ids
         self.sampling, self.stops, self.max_new_tokens = sampling, stops, max_new_tokens
         self.on_text, self.on_logprobs, self.should_stop = on_text, on_logprobs, should_stop
         self.sampler = Sampler(sampling, banned_ids, device)
+        self.grammar = grammar
         self.t0 = time.perf_counter() if t0 is None else t0
         self.first_position = first_position  # where the first generated token sits
         self.ids: list[int] = []
@@ -83,16 +87,20 @@ class DecodeStream:
 
     def step(self, logits: torch.Tensor) -> int | None:
         """Consume next-token logits [V]; the token to run next (at `position`), or None when done."""
+        if self.grammar is not None:
+            logits = self.grammar.constrain(logits)
         token, processed = self.sampler.step(logits)
         if self.ttft is None:
             self.ttft = time.perf_counter() - self.t0
         if token in self.stop_ids:
             return self._end("stop")
+        if self.grammar is not None:
+            self.grammar.advance(token)
         self.ids.append(token)
         if self.sampling.logprobs:
             self.lps.append(logprobs_of(processed, token, self.sampling.top_logprobs, self.token_texts))
         self._take_text(self.detokenizer.step(token))
-        if self.finish_reason == "stop":
+        if self.finish_reason == "stop" or (self.grammar is not None and self.grammar.complete):
             return self._end("stop")
         self._emit(len(self.text) - self.hold)
         if self.should_stop is not None and self.should_stop():

@@ -153,14 +153,17 @@ class Sampler:
 
 
 def logprobs_of(x: torch.Tensor, token: int, top: int, text_of) -> TokenLogprob:
-    """OpenAI-shaped logprobs of `token` under log-softmax(`x`), with the `top` most likely tokens.
-    `text_of(id)` -> (token text, its UTF-8 bytes)."""
+    """OpenAI-shaped logprobs of `token` under log-softmax(`x`), with the `top` most likely tokens
+    among those that could be sampled (a masked token, logprob -inf, is no alternative: fewer
+    than `top` where a grammar allows fewer). `text_of(id)` -> (token text, its UTF-8 bytes)."""
     logp = torch.log_softmax(x.float(), dim=-1)
     text, raw = text_of(token)
     alts = []
     if top:
         values, ids = torch.topk(logp, min(top, logp.numel()))
         for value, tid in zip(values.tolist(), ids.tolist()):
+            if value == -math.inf:
+                break
             t, b = text_of(tid)
             alts.append(TopLogprob(t, value, b))
     return TokenLogprob(text, float(logp[token]), raw, alts)

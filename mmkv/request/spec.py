@@ -9,6 +9,7 @@ from typing import Any
 
 from mmkv.errors import InvalidRequestError
 from mmkv.request.edits import EditPolicy, parse_edit_policy
+from mmkv.request.grammar import Grammar, GrammarCompiler, parse_response_format
 from mmkv.request.plan import check_policy, check_seam_tokens, check_stops
 from mmkv.request.sampling import SamplingParams, TokenLogprob
 from mmkv.request.tools import ToolSpec
@@ -27,13 +28,15 @@ class RequestSpec:
     tenant: str
     fidelity: bool  # also run the full recompute and report the first logits' gap
     tools: ToolSpec | None
+    grammar: Grammar | None  # what the answer must follow (response_format, a forced tool call), compiled
     on_text: Callable[[str], None] | None = None
     should_stop: Callable[[], bool] | None = None
     on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
 
 
 def build_spec(messages, *, vocab_size: int, default_seam: int, default_policy: str,
-               tool_spec: Callable[[Any, Any], ToolSpec | None], max_new_tokens: int = 64,
+               tool_spec: Callable[[Any, Any], ToolSpec | None], grammars: GrammarCompiler,
+               max_new_tokens: int = 64,
                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                stop: list[str] | str | None = None, reuse: bool = True, seam_tokens: int | None = None,
                rope_policy: str | None = None, tenant: str = "", on_text=None, should_stop=None,
@@ -41,7 +44,7 @@ def build_spec(messages, *, vocab_size: int, default_seam: int, default_policy: 
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                logit_bias: dict[int, float] | None = None, logprobs: bool = False, top_logprobs: int = 0,
                on_logprobs=None, tools: list[dict] | None = None,
-               tool_choice: str | dict | None = None) -> RequestSpec:
+               tool_choice: str | dict | None = None, response_format: dict | None = None) -> RequestSpec:
     """`Engine.start`'s keyword arguments checked (each bad value an InvalidRequestError naming
     its parameter) and gathered; the engine's own defaults fill what the request leaves out."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -51,6 +54,7 @@ def build_spec(messages, *, vocab_size: int, default_seam: int, default_policy: 
             raise InvalidRequestError(f"{name} must be true or false", param=name)
     if not isinstance(tenant, str):
         raise InvalidRequestError("tenant must be a string", param="tenant")
+    tools = tool_spec(tools, tool_choice)
     return RequestSpec(
         messages=messages, max_new_tokens=max_new_tokens,
         sampling=SamplingParams.build(
@@ -60,5 +64,6 @@ def build_spec(messages, *, vocab_size: int, default_seam: int, default_policy: 
         stops=check_stops(stop), reuse=reuse,
         seam=check_seam_tokens(default_seam if seam_tokens is None else seam_tokens),
         policy=check_policy(rope_policy or default_policy), edit=parse_edit_policy(edit_policy), tenant=tenant,
-        fidelity=fidelity, tools=tool_spec(tools, tool_choice), on_text=on_text, should_stop=should_stop,
+        fidelity=fidelity, tools=tools, grammar=grammars.for_request(parse_response_format(response_format), tools),
+        on_text=on_text, should_stop=should_stop,
         on_logprobs=on_logprobs)

@@ -9,7 +9,8 @@ template. A template with no tool support refuses `tools` instead of ignoring th
 `tool_choice`: "auto" (the default when tools are given) lets the model choose; "none" renders
 the tools but never parses a call; "required" and a named function start the assistant turn
 with the opening of a call (`<tool_call>\\n{"name": "` and, when named, the name), so the model
-can only complete a call.
+can only complete a call, and the call's arguments decode under the tool's `parameters` schema
+(mmkv.request.grammar).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from mmkv.errors import InvalidRequestError
 from mmkv.request.messages import check_text
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# a call as the Qwen templates write it: <tool_call>\n{"name": "NAME", "arguments": {...}}\n</tool_call>
+CALL_HEAD, ARGUMENTS, CALL_END = '\n{"name": "', '", "arguments": ', "}\n"
 MAX_TOOLS = 128
 MAX_SCHEMA_DEPTH = 32  # nesting of a tool's parameters (OpenAI's strict mode allows 5-10); a deeper one is a 400
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -55,9 +58,9 @@ class ToolSpec:
     def forced_prefix(self) -> str:
         """Text the assistant turn starts with, so the model can only complete a call."""
         if self.choice == "required":
-            return OPEN + '\n{"name": "'
+            return OPEN + CALL_HEAD
         if self.choice == "function":
-            return OPEN + '\n{"name": "' + self.forced_name + '", "arguments": '
+            return OPEN + CALL_HEAD + self.forced_name + ARGUMENTS
         return ""
 
 
@@ -89,8 +92,8 @@ def check_tools(tools: Any, tool_choice: Any = None) -> ToolSpec | None:
             raise InvalidRequestError(f"{param}.function.parameters must be a JSON schema object",
                                       param=f"{param}.function.parameters")
         if "strict" in fn and fn["strict"]:
-            raise InvalidRequestError(f"{param}.function.strict is not supported (no schema-constrained decoding)",
-                                      param=f"{param}.function.strict")
+            raise InvalidRequestError(f"{param}.function.strict is not supported: a call is decoded under its "
+                                      f"parameters schema only when tool_choice forces it", param=f"{param}.function.strict")
         for key in ("description", "parameters"):
             if key in fn:
                 _check_strings(fn[key], f"{param}.function.{key}")
