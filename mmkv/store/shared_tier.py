@@ -136,6 +136,23 @@ class SharedTier(ABC):
             with self._lock:
                 self.skipped += 1
             return default
+        try:
+            return self._counted(op, fn)
+        except self.failures:
+            return default
+
+    def strict(self, op: str, fn: Callable[[], Any]) -> Any:
+        """fn(), tried even while degraded; a failure raises SharedTierUnavailableError."""
+        try:
+            return self._counted(op, fn)
+        except self.failures:
+            raise SharedTierUnavailableError(
+                f"the shared store ({self.name}) does not answer, so the {op} could not reach every tier and "
+                f"was not done; retry it once the store is back") from None
+
+    def _counted(self, op: str, fn: Callable[[], Any]) -> Any:
+        """fn() with its latency counted; a failure is counted, starts the degraded window and is
+        raised again."""
         t0 = time.perf_counter()
         try:
             result = fn()
@@ -145,29 +162,10 @@ class SharedTier(ABC):
                 self.degraded, self._down_until = True, time.monotonic() + self.retry_s
             log.warning("%s %s failed (%s at %s); using the lower tiers for %.1fs", self.name, op,
                         type(exc).__name__, self.url, self.retry_s)
-            return default
+            raise
         with self._lock:
             if self.degraded:
                 log.info("%s at %s answers again", self.name, self.url)
-            self.degraded = False
-            self.calls += 1
-            self.call_s += time.perf_counter() - t0
-        return result
-
-    def strict(self, op: str, fn: Callable[[], Any]) -> Any:
-        """fn(), tried even while degraded; a failure raises SharedTierUnavailableError."""
-        t0 = time.perf_counter()
-        try:
-            result = fn()
-        except self.failures as exc:
-            with self._lock:
-                self.errors += 1
-                self.degraded, self._down_until = True, time.monotonic() + self.retry_s
-            log.warning("%s %s failed (%s at %s)", self.name, op, type(exc).__name__, self.url)
-            raise SharedTierUnavailableError(
-                f"the shared store ({self.name}) does not answer, so the {op} could not reach every tier and "
-                f"was not done; retry it once the store is back") from None
-        with self._lock:
             self.degraded = False
             self.calls += 1
             self.call_s += time.perf_counter() - t0
