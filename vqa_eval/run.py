@@ -25,8 +25,7 @@ from mmkv.adapters import ImageFeatures
 from mmkv.engine import BUNDLED_MODEL, REPO_ROOT, Engine
 from mmkv.images import decode_image
 from mmkv.request.messages import parse_messages
-from mmkv.request.splice import prefill_full
-from mmkv.vqa_eval.dataset import ANSWERS, CATEGORY_OF, TYPES, VQAItem, load_vqa_set
+from mmkv.vqa_eval.dataset import ANSWERS, TYPES, load_vqa_set
 from mmkv.vqa_eval.decompose import answer_token_ids, decompose, oracle_logits
 from mmkv.vqa_eval.metrics import logit_cosine, normalize_answer, p90
 from mmkv.vqa_eval.protocol import Conversation, Shape, balanced_subset, build_conversation, to_messages

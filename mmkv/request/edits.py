@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
