@@ -85,6 +85,9 @@ class EngineWorker:
         self.stats = dict(self.engine.stats())
         self._thread.start()
         self.scheduler.start()
+        grammars = getattr(self.engine, "grammars", None)
+        if grammars is not None:  # the structured-output vocabulary (1-2 s for 150k tokens), off the loop
+            threading.Thread(target=_warm_grammars, args=(grammars,), name="mmkv-grammar-warmup", daemon=True).start()
 
     def drain(self) -> None:
         """Refuse new jobs and fail the queued ones (503 `shutting_down`); the running one goes on."""
@@ -216,3 +219,12 @@ class EngineWorker:
             self.stats = dict(self.engine.stats())
         except Exception:  # noqa: BLE001 - metrics must never take the worker down
             log.exception("engine.stats() failed")
+
+
+def _warm_grammars(grammars) -> None:
+    """Build the grammar vocabulary before the first structured request needs it, so that request
+    does not stall the scheduler's loop while it is built."""
+    try:
+        grammars.vocab
+    except Exception:  # noqa: BLE001 - a failure here shows again, as a request's error, when one needs it
+        log.exception("building the structured-output vocabulary failed")
