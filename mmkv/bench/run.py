@@ -777,6 +777,7 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
         engine.add_image(png, tenant=plan_tenant)
     warm = [_agent_system(skill_id), {"role": "user", "content": "hello , a new session ."}]
     prompts = _agent_prompts(engine, script, skill_id, file_ids, plan_tenant, window, drop_chunk, warm)
+    warm_prompt = _agent_prompt(engine, warm, plan_tenant, [])
     text._ensure(max(p.ids.numel() for p in prompts))  # the limit's context, built once, untimed
     sessions = []
     for r in range(repeats):
@@ -786,13 +787,14 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
                                           PrefixCacheArm(ad, pngs, keep=True, encoder_cache=True))))
         engine.generate(warm, max_new_tokens=1, tenant=tenant)
         for arm in list(mechanism.values())[1:]:
-            arm.turn(*_agent_prompt(engine, warm, plan_tenant, []))
+            arm.turn(*warm_prompt)
         history = [engine.splice_plan(warm, tenant=tenant)]
         rows = []
         for t, (turn, p) in enumerate(zip(script, prompts)):
             new_png = pngs[turn.new_screenshot] if turn.new_screenshot is not None else None
             got = {}
-            for arm in AGENT_ARMS[t % 5:] + AGENT_ARMS[:t % 5]:  # rotated so no arm always runs first
+            first = t % len(AGENT_ARMS)
+            for arm in AGENT_ARMS[first:] + AGENT_ARMS[:first]:  # rotated so no arm always runs first
                 if arm in mechanism:
                     got[arm] = mechanism[arm].turn(p.ids, p.positions, p.keys, p.images)
                 elif arm == "mmkv exact":
