@@ -191,7 +191,8 @@ def test_window_on_the_seeded_session(window, chunk):
     for t in range(24):
         whole, _ = _sent(agent_messages(script, t, "skill", ids))
         images, _ = _sent(agent_messages(script, t, "skill", ids, window=window, drop_chunk=chunk))
-        assert min(len(whole), window) <= len(images) <= window + chunk - 1 and images == whole[len(whole) - len(images):]
+        assert min(len(whole), window) <= len(images) <= window + chunk - 1
+        assert images == whole[len(whole) - len(images):]
         dropped = len(whole) - len(images)
         assert dropped % chunk == 0 and dropped >= dropped_before
         dropped_before = dropped
@@ -202,9 +203,9 @@ def test_window_on_the_seeded_session(window, chunk):
 def windowed(tmp_path_factory):
     """The agent session of `report` with the client keeping only the last 2 screenshots."""
     out = tmp_path_factory.mktemp("bench") / "window.json"
-    result = CliRunner().invoke(app, ["bench", "--config", "tiny", "--threads", "1", "--repeats", "1", "--modes", "agent",
-                                      "--image-tokens", "16", "--skill-tokens", "64", "--agent-turns", str(AGENT_TURNS),
-                                      "--window", "2", "--json", str(out)])
+    result = CliRunner().invoke(app, ["bench", "--config", "tiny", "--threads", "1", "--repeats", "1",
+                                      "--modes", "agent", "--image-tokens", "16", "--skill-tokens", "64",
+                                      "--agent-turns", str(AGENT_TURNS), "--window", "2", "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "keeps the last 2 screenshots, dropping them one at a time" in result.output
     assert "not measured: mmkv composed" in result.output
@@ -233,7 +234,8 @@ def test_windowed_session_exact_prefix_loses_what_mmkv_keeps(report, windowed):
         assert all(arm["computed_tokens"] >= limit["computed_tokens"] for arm in t["arms"].values())
     assert drops > 0
     total = {r["arm"]: r for r in windowed["summary"]}
-    assert total[prefix]["reused_tokens"] < next(r for r in report["agent"]["summary"] if r["arm"] == prefix)["reused_tokens"]
+    whole_prefix = next(r for r in report["agent"]["summary"] if r["arm"] == prefix)
+    assert total[prefix]["reused_tokens"] < whole_prefix["reused_tokens"]
     assert total["encoder cache + prefix caching"]["vision_runs"] == total["limit"]["vision_runs"] == \
         sum(t["new_screenshot"] is not None for t in windowed["script"])
     for arm, r in total.items():  # the JSON's per-turn rows add up to the summary
