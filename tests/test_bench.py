@@ -11,12 +11,15 @@ from typer.testing import CliRunner
 from mmkv.cli import app
 
 
+AGENT_TURNS = 6
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     result = CliRunner().invoke(app, ["bench", "--config", "tiny", "--threads", "1", "--repeats", "1",
                                       "--image-tokens", "16", "--skill-tokens", "64", "--policy-tokens", "64",
-                                      "--turns", "2", "--agent-turns", "3", "--json", str(out)])
+                                      "--turns", "2", "--agent-turns", str(AGENT_TURNS), "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "torch threads 1" in result.output and "### image" in result.output
     return json.loads(out.read_text())
@@ -100,8 +103,8 @@ def test_agent_session_adds_up_and_matches_its_plan(report):
     from mmkv.bench.run import agent_script
 
     a = report["agent"]
-    script = agent_script(3, 0)  # seeded: the same session every run
-    assert a["script"] == [asdict(t) for t in script] and (a["turns"], a["seed"]) == (3, 0)
+    script = agent_script(AGENT_TURNS, 0)  # seeded: the same session every run
+    assert a["script"] == [asdict(t) for t in script] and (a["turns"], a["seed"], a["window"]) == (AGENT_TURNS, 0, 0)
     assert script[0].new_screenshot == 0 and script[1].shown_again and script[2].erratum  # every kind of turn
     rows = a["sessions"][-1]
     summary = {r["arm"]: r for r in a["summary"]}
@@ -111,14 +114,15 @@ def test_agent_session_adds_up_and_matches_its_plan(report):
     attached = 0
     for t, turn in zip(rows, script):
         attached += (turn.new_screenshot is not None) + len(turn.shown_again)
-        full, prefix, mmkv = (t["arms"][arm] for arm in ("full recompute", "exact-prefix caching", "mmkv"))
+        full, prefix, mmkv = (t["arms"][arm] for arm in ("full recompute", "exact-prefix caching", "mmkv exact"))
         assert (full["computed_tokens"], full["vision_runs"], full["reused_tokens"]) == (t["prompt_tokens"], attached, 0)
         assert prefix["reused_tokens"] % 16 == 0 and prefix["computed_tokens"] == t["prompt_tokens"] - prefix["reused_tokens"]
         assert prefix["reused_tokens"] > 0 and prefix["vision_runs"] <= full["vision_runs"]
-        assert mmkv["reused_tokens"] == t["mmkv_expected_reused"] > prefix["reused_tokens"] - 16
+        assert mmkv["reused_tokens"] == t["mmkv_expected_reused"] >= prefix["reused_tokens"]
         assert mmkv["vision_runs"] == int(turn.new_screenshot is not None)
-    assert summary["mmkv"]["reused_tokens"] > summary["exact-prefix caching"]["reused_tokens"]
+    assert summary["mmkv exact"]["reused_tokens"] > summary["exact-prefix caching"]["reused_tokens"]
     assert summary["full recompute"]["speedup_vs_full"] == pytest.approx(1.0)
+    assert summary["exact-prefix caching"]["speedup_vs_prefix"] == summary["limit"]["pct_of_limit"] / 100 == 1.0
 
 
 def test_full_size_config_refused_when_memory_is_short(monkeypatch):
@@ -147,3 +151,106 @@ def test_engine_arm_stops_its_cpu_time_at_the_first_token(report):
     skill = _rows(next(t for t in report["tables"] if t["mode"] == "skill"))
     assert skill["engine (reuse)"]["after_first_token_cpu_ms"] > 0
     assert skill["limit"]["after_first_token_cpu_ms"] == skill["mmkv splice k=1"]["after_first_token_cpu_ms"] == 0
+
+
+# ---- windowed agent trajectories ------------------------------------------------------------------
+def _sent(msgs):
+    """The file ids of a request's image parts, in order, and its text parts."""
+    parts = [p for m in msgs if isinstance(m["content"], list) for p in m["content"]]
+    return [p["image_file"]["file_id"] for p in parts if p["type"] == "image_file"], \
+        [p for p in parts if p["type"] != "image_file"]
+
+
+@pytest.mark.parametrize("chunk, sent", [(1, [1, 2, 3, 3, 3, 3, 3, 3, 3]),  # UI-TARS: keeps the last 3, one drop a turn
+                                         (3, [1, 2, 3, 4, 5, 3, 4, 5, 3])])  # Anthropic's loop: 3 at a time
+def test_window_drops_the_oldest_screenshots_one_at_a_time_or_in_chunks(chunk, sent):
+    """A client keeping 3 screenshots of a session that shows a new one every turn: how many each
+    request carries, stored as those agents' loops send them; the ones kept are always the newest
+    and every text part stays."""
+    from mmkv.bench.run import AgentTurn, agent_messages
+
+    script = [AgentTurn(i, [], None) for i in range(9)]
+    ids = [f"img-{i}" for i in range(9)]
+    for t in range(9):
+        whole_images, whole_text = _sent(agent_messages(script, t, "skill", ids))
+        images, text = _sent(agent_messages(script, t, "skill", ids, window=3, drop_chunk=chunk))
+        assert len(images) == sent[t] and images == whole_images[len(whole_images) - sent[t]:]
+        assert text == whole_text
+
+
+@pytest.mark.parametrize("window, chunk", [(3, 1), (5, 1), (3, 3), (4, 2)])
+def test_window_on_the_seeded_session(window, chunk):
+    """On the seeded 24-turn session (several screenshots in some turns, earlier ones shown again):
+    one at a time, a request never carries more than the window; in chunks of k, at most window +
+    k - 1, and every turn drops a multiple of k; the newest image parts are the ones kept."""
+    from mmkv.bench.run import agent_messages, agent_script
+
+    script = agent_script(24, 0)
+    ids = [f"img-{i}" for i in range(24)]
+    dropped_before = 0
+    for t in range(24):
+        whole, _ = _sent(agent_messages(script, t, "skill", ids))
+        images, _ = _sent(agent_messages(script, t, "skill", ids, window=window, drop_chunk=chunk))
+        assert min(len(whole), window) <= len(images) <= window + chunk - 1
+        assert images == whole[len(whole) - len(images):]
+        dropped = len(whole) - len(images)
+        assert dropped % chunk == 0 and dropped >= dropped_before
+        dropped_before = dropped
+    assert dropped_before > 0
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """The agent session of `report` with the client keeping only the last 2 screenshots."""
+    out = tmp_path_factory.mktemp("bench") / "window.json"
+    result = CliRunner().invoke(app, ["bench", "--config", "tiny", "--threads", "1", "--repeats", "1",
+                                      "--modes", "agent", "--image-tokens", "16", "--skill-tokens", "64",
+                                      "--agent-turns", str(AGENT_TURNS), "--window", "2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "keeps the last 2 screenshots, dropping them one at a time" in result.output
+    assert "not measured: mmkv composed" in result.output
+    return json.loads(out.read_text())["agent"]
+
+
+def test_windowed_session_exact_prefix_loses_what_mmkv_keeps(report, windowed):
+    """With a window, exact-prefix caching reuses less than with the whole history (every token
+    after a dropped screenshot is recomputed); mmkv exact reuses at least as much as exact-prefix
+    caching every turn, exactly what its plan says; no arm computes less than the limit; the
+    encoder cache runs the vision tower once per screenshot."""
+    whole, rows = report["agent"]["sessions"][-1], windowed["sessions"][-1]
+    assert (windowed["window"], windowed["drop_chunk"]) == (2, 1)
+    assert [t["screenshots"] for t in rows] == [min(t["screenshots"], 2) for t in whole]
+    prefix = "exact-prefix caching"
+    drops = 0
+    for w, t in zip(whole, rows):
+        assert w["prompt_tokens"] - t["prompt_tokens"] == 18 * (w["screenshots"] - t["screenshots"])  # 16 pads + 2
+        assert t["arms"][prefix]["reused_tokens"] <= w["arms"][prefix]["reused_tokens"]
+        if t["dropped"] > drops:  # this turn dropped one: the whole-history prompt reuses more
+            assert t["arms"][prefix]["reused_tokens"] < w["arms"][prefix]["reused_tokens"]
+        drops = t["dropped"]
+        mmkv, limit = t["arms"]["mmkv exact"], t["arms"]["limit"]
+        assert mmkv["reused_tokens"] == t["mmkv_expected_reused"] >= t["arms"][prefix]["reused_tokens"]
+        assert limit["computed_tokens"] == t["new_tokens"]
+        assert all(arm["computed_tokens"] >= limit["computed_tokens"] for arm in t["arms"].values())
+    assert drops > 0
+    total = {r["arm"]: r for r in windowed["summary"]}
+    whole_prefix = next(r for r in report["agent"]["summary"] if r["arm"] == prefix)
+    assert total[prefix]["reused_tokens"] < whole_prefix["reused_tokens"]
+    assert total["encoder cache + prefix caching"]["vision_runs"] == total["limit"]["vision_runs"] == \
+        sum(t["new_screenshot"] is not None for t in windowed["script"])
+    for arm, r in total.items():  # the JSON's per-turn rows add up to the summary
+        for key in ("ms", "computed_tokens", "reused_tokens", "vision_runs"):
+            assert r[key] == pytest.approx(sum(t["arms"][arm][key] for t in rows)), (arm, key)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--window", "-1"], "must be 0 (the whole history)"),
+    (["--window", "2", "--drop-chunk", "0"], "must be 1 to --window (2), got 0"),
+    (["--window", "2", "--drop-chunk", "3"], "must be 1 to --window (2), got 3"),
+    (["--drop-chunk", "2"], "applies with a --window"),
+    (["--window", "2", "--modes", "image"], "add agent to --modes"),
+    (["--window", "9", "--agent-turns", "3"], "never drops one"),
+])
+def test_window_out_of_range_refused(args, message):
+    result = CliRunner().invoke(app, ["bench", "--config", "tiny", "--modes", "agent", *args])
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output

@@ -23,8 +23,14 @@ Under each image and skill table: tokens/s of 16 greedy decode steps after a spl
 turn and after a full prefill of the same prompt, interleaved.
 
 The agent mode replays a seeded multi-turn session (new screenshots, earlier ones shown again,
-a spliced skill, errata) and sums each arm's TTFT over its turns: full recompute, exact-prefix
-caching, mmkv.
+a spliced skill, errata), its client keeping the last `--window` screenshots (0: all) and dropping
+them `--drop-chunk` at a time, and reports each arm's TTFT, tokens computed and tokens reused per
+turn and summed over the turns: full recompute, exact-prefix caching, encoder cache + prefix
+caching, mmkv exact (images spliced, the text after a dropped screenshot recomputed), the limit.
+mmkv composed (`history_policy: "compose"`) is not built yet, so not measured.
+
+    mmkv bench --modes agent --agent-turns 16 --window 5                  # UI-TARS: keeps 5, drops one at a time
+    mmkv bench --modes agent --agent-turns 16 --window 3 --drop-chunk 3   # Anthropic's loop: keeps 3, drops 3 at a time
 """
 
 from __future__ import annotations
@@ -81,20 +87,38 @@ def format_copy(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _window(a: dict) -> str:
+    if not a["window"]:
+        return "the client resends the whole history"
+    chunk = "one at a time" if a["drop_chunk"] == 1 else f"{a['drop_chunk']} at a time"
+    return f"the client keeps the last {a['window']} screenshots, dropping them {chunk}"
+
+
+def _sent(t: dict, before: dict | None) -> str:
+    """Screenshots in the turn's prompt, and how many this turn's window dropped."""
+    drops = t["dropped"] - (before["dropped"] if before else 0)
+    return f"{t['screenshots']}" + (f" (drops {drops})" if drops else "")
+
+
 def format_agent(a: dict) -> str:
     last = a["sessions"][-1]
+    arms = [r["arm"] for r in a["summary"]]
     lines = [f"### agent: {a['turns']} turns, seed {a['seed']}, screenshots of {a['image_tokens']} tokens, "
-             f"{a['skill_tokens']}-token skill (final prompt {last[-1]['prompt_tokens']} tokens; cumulative over the "
-             f"turns, median of {a['repeats']} sessions)",
-             "| arm | cumulative TTFT ms | CPU ms | speed-up vs full | LM tokens computed | vision runs | tokens reused |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['arm']} | {r['ms']:.1f} | {r['cpu_ms']:.1f} | {r['speedup_vs_full']:.2f}x | {r['computed_tokens']} | "
+             f"{a['skill_tokens']}-token skill, {_window(a)} (final prompt {last[-1]['prompt_tokens']} tokens; "
+             f"cumulative over the turns, median of {a['repeats']} sessions)",
+             "| arm | cumulative TTFT ms | CPU ms | speed-up vs full | vs exact-prefix | % of limit "
+             "| LM tokens computed | vision runs | tokens reused |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['arm']} | {r['ms']:.1f} | {r['cpu_ms']:.1f} | {r['speedup_vs_full']:.2f}x | "
+              f"{r['speedup_vs_prefix']:.2f}x | {r['pct_of_limit']:.0f}% | {r['computed_tokens']} | "
               f"{r['vision_runs']} | {r['reused_tokens']} |" for r in a["summary"]]
-    lines += ["", "| turn | what the turn adds | prompt tokens | full ms | exact-prefix ms | mmkv ms | "
-                  "mmkv tokens reused (plan) |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {t['turn']} | {t['events']} | {t['prompt_tokens']} | {t['arms']['full recompute']['ms']:.0f} | "
-              f"{t['arms']['exact-prefix caching']['ms']:.0f} | {t['arms']['mmkv']['ms']:.0f} | "
-              f"{t['arms']['mmkv']['reused_tokens']} ({t['mmkv_expected_reused']}) |" for t in last]
+    lines += ["", "per turn, each arm's TTFT ms / LM tokens computed / tokens reused:", "",
+              "| turn | what the turn adds | screenshots sent | prompt tokens | new tokens | " + " | ".join(arms)
+              + " | mmkv exact reused per plan |", "|---" * (len(arms) + 6) + "|"]
+    lines += [f"| {t['turn']} | {t['events']} | {_sent(t, before)} | {t['prompt_tokens']} | {t['new_tokens']} | "
+              + " | ".join(f"{t['arms'][arm]['ms']:.0f} / {t['arms'][arm]['computed_tokens']} / "
+                           f"{t['arms'][arm]['reused_tokens']}" for arm in arms)
+              + f" | {t['mmkv_expected_reused']} |" for before, t in zip([None, *last], last)]
+    lines += [f"\nnot measured: {arm}: {why}." for arm, why in a["not_measured"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -118,6 +142,29 @@ def _ints(value: str, flag: str) -> list[int]:
         raise typer.BadParameter(f"takes comma-separated integers, got {value!r}", param_hint=flag) from None
 
 
+def _check_window(window: int, drop_chunk: int, modes: list[str]) -> None:
+    if window < 0:
+        raise typer.BadParameter(f"must be 0 (the whole history) or the screenshots to keep, got {window}",
+                                 param_hint="--window")
+    if not window and drop_chunk != 1:
+        raise typer.BadParameter("applies with a --window (the whole history drops nothing)", param_hint="--drop-chunk")
+    if not 1 <= drop_chunk <= max(window, 1):
+        raise typer.BadParameter(f"must be 1 to --window ({window}), got {drop_chunk}", param_hint="--drop-chunk")
+    if window and "agent" not in modes:
+        raise typer.BadParameter("applies to the agent mode: add agent to --modes", param_hint="--window")
+
+
+def _check_window_drops(window: int, agent_turns: int, seed: int) -> None:
+    """A window as large as the session's screenshots would never drop one."""
+    from mmkv.bench.run import agent_script
+
+    attached = sum(t.images() for t in agent_script(agent_turns, seed))
+    if window >= attached > 0:
+        raise typer.BadParameter(f"the {agent_turns}-turn session (seed {seed}) attaches {attached} screenshots, so a "
+                                 f"window of {window} never drops one: use 0 for the whole history, or fewer",
+                                 param_hint="--window")
+
+
 def bench_command(
     model_dir: Annotated[Path | None, typer.Argument(
         show_default=False, help="Local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint dir (overrides --config).")] = None,
@@ -134,6 +181,11 @@ def bench_command(
     turns: Annotated[int, typer.Option(help="errata: turns of the agent loop (the first is not counted).")] = 6,
     agent_turns: Annotated[int, typer.Option(help="agent: turns of the seeded session.")] = 8,
     seed: Annotated[int, typer.Option(help="agent: the session's seed.")] = 0,
+    window: Annotated[int, typer.Option(help="agent: screenshots the client keeps, the oldest dropped first "
+                                              "(0: the whole history).")] = 0,
+    drop_chunk: Annotated[int, typer.Option(help="agent: screenshots dropped at a time, 1 to --window (1: one at "
+                                                  "a time, as UI-TARS; --window: in chunks, as Anthropic's "
+                                                  "computer-use loop).")] = 1,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write every figure to this file.")] = None,
 ) -> None:
     """Where a turn's time goes: full recompute, prefix caching, encoder cache, mmkv splice, the limit."""
@@ -145,6 +197,7 @@ def bench_command(
         raise typer.BadParameter("--threads and --repeats must be >= 1, --turns >= 2, --agent-turns >= 3")
     if config not in CONFIGS:
         raise typer.BadParameter(f"expected one of {', '.join(CONFIGS)}", param_hint="--config")
+    _check_window(window, drop_chunk, chosen)
     images, skills = _ints(image_tokens, "--image-tokens"), _ints(skill_tokens, "--skill-tokens")
     t0 = time.perf_counter()
     # Idle OpenMP threads sleep instead of spinning: on a shared CPU spinning threads slow every
@@ -156,10 +209,12 @@ def bench_command(
     from mmkv.errors import MMKVError
 
     torch.set_num_threads(threads)
+    _check_window_drops(window, agent_turns, seed)
     try:
         engine = build_engine(config, model_dir, device, dtype, max(images, default=256))
         report = run_bench(engine, chosen, repeats, threads, images, skills, policy_tokens, turns,
-                           lambda kind, figures: typer.echo(FORMATS[kind](figures)), agent_turns, seed)
+                           lambda kind, figures: typer.echo(FORMATS[kind](figures)), agent_turns, seed, window,
+                           drop_chunk)
     except (BenchError, MMKVError) as exc:
         typer.echo(f"mmkv bench: {getattr(exc, 'message', None) or exc}", err=True)
         raise typer.Exit(code=2) from None

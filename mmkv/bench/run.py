@@ -565,7 +565,8 @@ def _skill(engine, tokens: int) -> tuple[str, str]:
 # ---- agent trajectory ------------------------------------------------------------------------------
 @dataclass
 class AgentTurn:
-    """What one turn of the seeded session adds (the client resends the whole history each turn)."""
+    """What one turn of the seeded session adds (the client resends the history every turn, less
+    the screenshots its window drops: `agent_messages`)."""
 
     new_screenshot: int | None  # index of the screenshot first shown in this turn
     shown_again: list[int]  # earlier screenshots attached again, at this turn's new position
@@ -575,6 +576,10 @@ class AgentTurn:
         parts = ([f"new screenshot {self.new_screenshot}"] if self.new_screenshot is not None else []) + \
             [f"screenshot {i} again" for i in self.shown_again] + ([f"erratum {self.erratum}"] if self.erratum else [])
         return ", ".join(parts) or "text only"
+
+    def images(self) -> int:
+        """Image parts this turn attaches."""
+        return (self.new_screenshot is not None) + len(self.shown_again)
 
 
 def agent_script(turns: int, seed: int) -> list[AgentTurn]:
@@ -593,10 +598,27 @@ def agent_script(turns: int, seed: int) -> list[AgentTurn]:
     return script
 
 
-def agent_messages(script: list[AgentTurn], upto: int, skill_id: str, file_ids: list[str]) -> list[dict]:
-    """The request of turn `upto`: the system prompt (status field, spliced skill) and every turn so far."""
-    msgs = [{"role": "system", "content": [{"type": "text", "text": "order_status: pending\n"},
-                                           {"type": "skill", "skill_id": skill_id}]}]
+def screenshots_dropped(attached: int, window: int, chunk: int) -> int:
+    """How many of the `attached` image parts (oldest first) a client keeping the last `window`
+    drops, `chunk` at a time. UI-TARS keeps 5 and drops one at a time (chunk 1); Anthropic's
+    computer-use loop keeps 3 and drops them 3 at a time, so that its prompt prefix changes once
+    every 3 screenshots (it then sends 3 to 5). Window 0 keeps them all."""
+    if not window or attached <= window:
+        return 0
+    return (attached - window) // chunk * chunk
+
+
+def _agent_system(skill_id: str) -> dict:
+    return {"role": "system", "content": [{"type": "text", "text": "order_status: pending\n"},
+                                          {"type": "skill", "skill_id": skill_id}]}
+
+
+def agent_messages(script: list[AgentTurn], upto: int, skill_id: str, file_ids: list[str], window: int = 0,
+                   drop_chunk: int = 1) -> list[dict]:
+    """The request of turn `upto`: the system prompt (status field, spliced skill) and every turn so
+    far, less the oldest image parts the window drops (`screenshots_dropped`); a dropped image's
+    text stays, as those agents keep the step's text."""
+    msgs = [_agent_system(skill_id)]
     for u, turn in enumerate(script[:upto + 1]):
         parts = [{"type": "state_update", "field": "order_status", "value": turn.erratum}] if turn.erratum else []
         if turn.new_screenshot is not None:
@@ -608,7 +630,22 @@ def agent_messages(script: list[AgentTurn], upto: int, skill_id: str, file_ids: 
         msgs.append({"role": "user", "content": parts})
         if u < upto:
             msgs.append({"role": "assistant", "content": f"clicked the button of step {u} ."})
+    drop = screenshots_dropped(sum(t.images() for t in script[:upto + 1]), window, drop_chunk)
+    for m in msgs:
+        if isinstance(m["content"], list):
+            kept = []
+            for part in m["content"]:
+                if part["type"] == "image_file" and drop:
+                    drop -= 1
+                else:
+                    kept.append(part)
+            m["content"] = kept
     return msgs
+
+
+def _encode_screenshot(adapter, png: bytes):
+    """A screenshot as a server receives it: decoded, preprocessed, through the vision tower."""
+    return adapter.encode_image(*adapter.preprocess_image(Image.open(io.BytesIO(png)).convert("RGB")))
 
 
 class PrefixCacheArm:
@@ -616,11 +653,22 @@ class PrefixCacheArm:
     level: whole blocks of the longest common prefix (token ids and image identities) with any
     earlier prompt of the session, their KV copied in; every image with a pad after that decoded,
     preprocessed and run through the vision tower; the rest prefilled at native positions. With
-    `keep=False` nothing is kept: the full recompute."""
+    `keep=False` nothing is kept: the full recompute. With `encoder_cache` each screenshot's
+    features are kept once computed (an encoder cache): the vision tower runs once per screenshot."""
 
-    def __init__(self, adapter, pngs: list[bytes], keep: bool):
+    def __init__(self, adapter, pngs: list[bytes], keep: bool, encoder_cache: bool = False):
         self.adapter, self.pngs, self.keep = adapter, pngs, keep
         self.kept: list[tuple[list, object]] = []  # (token keys, the prompt's KV)
+        self.features: dict[int, object] | None = {} if encoder_cache else None
+
+    def _features(self, image: int) -> tuple[object, int]:
+        """The screenshot's features and the vision-tower runs they took."""
+        if self.features is not None and image in self.features:
+            return self.features[image], 0
+        f = _encode_screenshot(self.adapter, self.pngs[image])
+        if self.features is not None:
+            self.features[image] = f
+        return f, 1
 
     def turn(self, ids: torch.Tensor, positions: torch.Tensor, keys: list, images: list[int]) -> dict:
         """`keys` per token (id, screenshot index or None); `images` the screenshot of each image
@@ -641,10 +689,9 @@ class PrefixCacheArm:
         for (start, end), image in zip(ad.image_spans(ids), images):
             first_pad, stop = start + 1, end - 1
             if stop > hit:  # pads after the hit are prefilled: their features are needed
-                rgb = Image.open(io.BytesIO(self.pngs[image])).convert("RGB")
-                f = ad.encode_image(*ad.preprocess_image(rgb))
+                f, tower = self._features(image)
                 feats.append(f.slice(max(hit - first_pad, 0), stop - first_pad))
-                runs += 1
+                runs += tower
         ad.forward(ids[hit:], positions[:, hit:], cache, ImageFeatures.concat(feats))
         _sync()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -663,14 +710,58 @@ def _common_prefix(a: list, b: list) -> int:
     return n
 
 
-def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, skill_tokens: int) -> dict:
-    """Cumulative TTFT over a seeded agent session (`agent_script`), three arms interleaved turn by
-    turn, each session `repeats` times with fresh caches: full recompute and exact-prefix caching
-    (mechanism level, PrefixCacheArm) and mmkv (`Engine.generate` end to end; a new screenshot is
-    uploaded in its turn, `add_image` timed as part of that turn). Every arm is first served one
-    turn of an earlier session (the shared system prompt, untimed), as a server would have been.
-    Each mmkv turn's reused tokens are checked against what the plan says: the longest block
-    prefix of an earlier prompt, plus the spliced chunks after it (all but each seam token)."""
+@dataclass
+class AgentPrompt:
+    """One turn's request and what the mechanism arms and the limit need of it (planned untimed)."""
+
+    messages: list[dict]
+    ids: torch.Tensor
+    positions: torch.Tensor
+    keys: list  # per token (id, screenshot index or None)
+    images: list[int]  # the screenshot of each image span
+    new_tokens: int  # what the limit computes: the turn's own tokens, less each earlier screenshot's chunk but its seam
+    dropped: int  # image parts the window has dropped by this turn
+
+
+AGENT_ARMS = ("full recompute", "exact-prefix caching", "encoder cache + prefix caching", "mmkv exact", "limit")
+NOT_MEASURED = {"mmkv composed": 'history_policy "compose" (the surviving turns\' KV re-rotated into place) '
+                                 "is not built yet"}
+
+
+def _agent_prompts(engine, script: list[AgentTurn], skill_id: str, file_ids: list[str], tenant: str,
+                   window: int, drop_chunk: int, warm: list[dict]) -> list[AgentPrompt]:
+    """Every turn's prompt. A turn's own tokens are those after its prompt's common prefix with the
+    request before it (the previous turn's, or the warm-up's for the first), its windowed history
+    being that request's; of a screenshot shown in an earlier turn, attached again, only the seam
+    is new (its KV exists)."""
+    before = engine.splice_plan(warm, tenant=tenant).input_ids.tolist()
+    prompts = []
+    for t, turn in enumerate(script):
+        msgs = agent_messages(script, t, skill_id, file_ids, window, drop_chunk)
+        ids, pos, keys, images = _agent_prompt(engine, msgs, tenant, file_ids)
+        if t:
+            before = engine.splice_plan(msgs[:-2], tenant=tenant).input_ids.tolist()
+        own = _common_prefix(ids.tolist(), before)
+        new = ids.numel() - own - sum(end - start - SEAM for (start, end), image
+                                      in zip(engine.adapter.image_spans(ids), images)
+                                      if start >= own and image != turn.new_screenshot)
+        dropped = screenshots_dropped(sum(u.images() for u in script[:t + 1]), window, drop_chunk)
+        prompts.append(AgentPrompt(msgs, ids, pos, keys, images, new, dropped))
+    return prompts
+
+
+def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, skill_tokens: int,
+                text: TextContext, window: int = 0, drop_chunk: int = 1) -> dict:
+    """Cumulative and per-turn TTFT over a seeded agent session (`agent_script`) whose client keeps
+    the last `window` screenshots (0: all), dropping them `drop_chunk` at a time; the arms
+    interleaved turn by turn (`AGENT_ARMS`), each session `repeats` times with fresh caches: full
+    recompute, exact-prefix caching and encoder cache + prefix caching (mechanism level,
+    PrefixCacheArm), mmkv exact (`Engine.generate` end to end; a new screenshot is uploaded in its
+    turn, `add_image` timed as part of that turn) and the limit (`_limit_turn`). Every caching arm
+    is first served one turn of an earlier session (the shared system prompt, untimed), as a server
+    would have been. Each mmkv turn's reused tokens are checked against what the plan says: the
+    longest block prefix of an earlier prompt, plus the spliced chunks after it (all but each seam
+    token)."""
     from mmkv.engine import image_id_for
     from mmkv.request.splice import splice_layout
 
@@ -684,49 +775,63 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
     engine.add_skill("spec", _text_of(ad.tokenizer, skill_tokens, SKILL_SENTENCE), tenant=plan_tenant)
     for png in pngs:
         engine.add_image(png, tenant=plan_tenant)
-    arms = ("full recompute", "exact-prefix caching", "mmkv")
+    warm = [_agent_system(skill_id), {"role": "user", "content": "hello , a new session ."}]
+    prompts = _agent_prompts(engine, script, skill_id, file_ids, plan_tenant, window, drop_chunk, warm)
+    warm_prompt = _agent_prompt(engine, warm, plan_tenant, [])
+    text._ensure(max(p.ids.numel() for p in prompts))  # the limit's context, built once, untimed
     sessions = []
     for r in range(repeats):
         tenant = f"agent-{seed}-{r}"
         engine.add_skill("spec", _text_of(ad.tokenizer, skill_tokens, SKILL_SENTENCE), tenant=tenant)
-        full, prefix = PrefixCacheArm(ad, pngs, keep=False), PrefixCacheArm(ad, pngs, keep=True)
-        warm = [{"role": "system", "content": [{"type": "text", "text": "order_status: pending\n"},
-                                               {"type": "skill", "skill_id": skill_id}]},
-                {"role": "user", "content": "hello , a new session ."}]
+        mechanism = dict(zip(AGENT_ARMS, (PrefixCacheArm(ad, pngs, keep=False), PrefixCacheArm(ad, pngs, keep=True),
+                                          PrefixCacheArm(ad, pngs, keep=True, encoder_cache=True))))
         engine.generate(warm, max_new_tokens=1, tenant=tenant)
-        ids, pos, keys, images = _agent_prompt(engine, warm, plan_tenant, [])
-        prefix.turn(ids, pos, keys, images)
+        for arm in list(mechanism.values())[1:]:
+            arm.turn(*warm_prompt)
         history = [engine.splice_plan(warm, tenant=tenant)]
         rows = []
-        for t, turn in enumerate(script):
-            msgs = agent_messages(script, t, skill_id, file_ids)
-            ids, pos, keys, images = _agent_prompt(engine, msgs, plan_tenant, file_ids)
+        for t, (turn, p) in enumerate(zip(script, prompts)):
+            new_png = pngs[turn.new_screenshot] if turn.new_screenshot is not None else None
             got = {}
-            for arm in arms[t % 3:] + arms[:t % 3]:  # rotated so no arm always runs first
-                if arm == "mmkv":
-                    got[arm] = _mmkv_turn(engine, msgs, tenant, pngs[turn.new_screenshot]
-                                          if turn.new_screenshot is not None else None)
+            first = t % len(AGENT_ARMS)
+            for arm in AGENT_ARMS[first:] + AGENT_ARMS[:first]:  # rotated so no arm always runs first
+                if arm in mechanism:
+                    got[arm] = mechanism[arm].turn(p.ids, p.positions, p.keys, p.images)
+                elif arm == "mmkv exact":
+                    got[arm] = _mmkv_turn(engine, p.messages, tenant, new_png)
                 else:
-                    got[arm] = (full if arm == arms[0] else prefix).turn(ids, pos, keys, images)
-            plan = engine.splice_plan(msgs, tenant=tenant)
+                    got[arm] = _limit_turn(ad, text, new_png, p.ids.numel(), p.new_tokens)
+            plan = engine.splice_plan(p.messages, tenant=tenant)
             hit = max(_common_prefix(_chunk_token_keys(h), _chunk_token_keys(plan)) for h in history)
-            hit = min(hit, ids.numel() - 1) // BLOCK * BLOCK
-            spliced = sum(b - a for _, a, b in splice_layout(plan.placements, ids.numel(), hit, SEAM).reused)
+            hit = min(hit, p.ids.numel() - 1) // BLOCK * BLOCK
+            spliced = sum(b - a for _, a, b in splice_layout(plan.placements, p.ids.numel(), hit, SEAM).reused)
             history.append(plan)
-            rows.append({"turn": t + 1, "events": turn.events(), "prompt_tokens": int(ids.numel()),
+            rows.append({"turn": t + 1, "events": turn.events(), "prompt_tokens": int(p.ids.numel()),
+                         "new_tokens": p.new_tokens, "screenshots": len(p.images), "dropped": p.dropped,
                          "arms": got, "mmkv_expected_reused": hit + spliced})
         sessions.append(rows)
+    return {"turns": turns, "seed": seed, "repeats": repeats, "image_tokens": image_tokens, "window": window,
+            "drop_chunk": drop_chunk, "skill_tokens": engine.skill_info(skill_id, tenant=skill_tenant).tokens,
+            "script": [asdict(t) for t in script], "summary": _agent_summary(sessions),
+            "not_measured": NOT_MEASURED, "sessions": sessions}
+
+
+def _agent_summary(sessions: list[list[dict]]) -> list[dict]:
+    """Per arm: each session's sums over its turns, the median session's times, the ratios between
+    arms from CPU time."""
     totals = {arm: {key: [sum(row["arms"][arm][key] for row in rows) for rows in sessions]
-                    for key in ("ms", "cpu_ms", "computed_tokens", "vision_runs", "reused_tokens")} for arm in arms}
+                    for key in ("ms", "cpu_ms", "computed_tokens", "vision_runs", "reused_tokens")}
+              for arm in AGENT_ARMS}
     summary = [{"arm": arm, "ms": statistics.median(totals[arm]["ms"]), "cpu_ms": statistics.median(totals[arm]["cpu_ms"]),
                 "computed_tokens": totals[arm]["computed_tokens"][-1], "vision_runs": totals[arm]["vision_runs"][-1],
                 "reused_tokens": totals[arm]["reused_tokens"][-1], "runs_ms": totals[arm]["ms"],
-                "runs_cpu_ms": totals[arm]["cpu_ms"]} for arm in arms]
+                "runs_cpu_ms": totals[arm]["cpu_ms"]} for arm in AGENT_ARMS]
+    cpu = {row["arm"]: row["cpu_ms"] for row in summary}
     for row in summary:
-        row["speedup_vs_full"] = summary[0]["cpu_ms"] / row["cpu_ms"]
-    return {"turns": turns, "seed": seed, "repeats": repeats, "image_tokens": image_tokens,
-            "skill_tokens": engine.skill_info(skill_id, tenant=skill_tenant).tokens,
-            "script": [asdict(t) for t in script], "summary": summary, "sessions": sessions}
+        row["speedup_vs_full"] = cpu["full recompute"] / row["cpu_ms"]
+        row["speedup_vs_prefix"] = cpu["exact-prefix caching"] / row["cpu_ms"]
+        row["pct_of_limit"] = 100 * cpu["limit"] / row["cpu_ms"]
+    return summary
 
 
 def _mmkv_turn(engine, msgs, tenant: str, new_png: bytes | None) -> dict:
@@ -743,6 +848,21 @@ def _mmkv_turn(engine, msgs, tenant: str, new_png: bytes | None) -> dict:
     return {"ms": (upload_s + r.ttft_s) * 1e3, "cpu_ms": (upload_cpu_s + cpu_s) * 1e3,
             "computed_tokens": r.lm_tokens_computed + precompiled, "vision_runs": r.vision_tower_runs + int(bool(new_png)),
             "reused_tokens": r.usage.cached_tokens}
+
+
+def _limit_turn(adapter, text: TextContext, new_png: bytes | None, n: int, q: int) -> dict:
+    """The least a turn of n tokens, q of them new, can cost: its new screenshot (if any) through
+    the vision tower, then one forward of the q new tokens over the other n - q tokens' KV already
+    in place, nothing copied (`TextContext.limit`: a text context of the same length)."""
+    forward = text.limit(n, q)
+    _sync()
+    t0, c0 = time.perf_counter(), time.process_time()
+    if new_png is not None:
+        _encode_screenshot(adapter, new_png)
+    forward()
+    _sync()
+    return {"ms": (time.perf_counter() - t0) * 1e3, "cpu_ms": (time.process_time() - c0) * 1e3,
+            "computed_tokens": q, "vision_runs": int(new_png is not None), "reused_tokens": n - q}
 
 
 def _chunk_token_keys(plan) -> list[tuple[int, str | None]]:
@@ -794,10 +914,11 @@ def header(engine, threads: int, repeats: int) -> dict:
 
 def run_bench(engine, modes: list[str], repeats: int, threads: int, image_tokens: list[int], skill_tokens: list[int],
               policy_tokens: int, turns: int, show: Callable[[str, dict], None], agent_turns: int = 8,
-              seed: int = 0) -> dict:
+              seed: int = 0, window: int = 0, drop_chunk: int = 1) -> dict:
     """Every chosen mode; `show(kind, figures)` gets the header, each table, the agent session, the
     copy and the bytes figures as they are measured. Returns them all (the --json report). The
-    agent session uses the smallest image and skill sizes."""
+    agent session uses the smallest image and skill sizes, its client keeping the last `window`
+    screenshots (0: all), dropping them `drop_chunk` at a time."""
     report = header(engine, threads, repeats)
     show("header", report)
     text = TextContext(engine.adapter)
@@ -812,7 +933,7 @@ def run_bench(engine, modes: list[str], repeats: int, threads: int, image_tokens
         show("table", report["tables"][-1])
     if "agent" in modes:
         report["agent"] = bench_agent(engine, agent_turns, seed, repeats, min(image_tokens, default=64),
-                                      min(skill_tokens, default=1024))
+                                      min(skill_tokens, default=1024), text, window, drop_chunk)
         show("agent", report["agent"])
     entries = _chunks(engine, image_tokens, skill_tokens) if "copy" in modes or "bytes" in modes else []
     if "copy" in modes:
