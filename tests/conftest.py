@@ -16,6 +16,15 @@ from PIL import Image, ImageDraw
 from mmkv.testing.tiny import FAMILIES, QWEN3_FAMILIES, save_tiny_checkpoint
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Every test starts and ends on one torch thread: a command under test that sets more (the
+    benches' --threads) would leave an OpenMP pool behind, and a forked child that then runs a
+    parallel region (tests/test_tiers_crash.py) hangs in it."""
+    yield
+    torch.set_num_threads(1)
 # `mmkv serve` keeps a disk tier under ~/.cache/mmkv by default: servers the tests start stay RAM-only
 # (and leave nothing in the home directory) unless a test passes --store-dir.
 os.environ.setdefault("MMKV_STORE_DIR", "none")

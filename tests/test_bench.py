@@ -252,5 +252,5 @@ def test_windowed_session_exact_prefix_loses_what_mmkv_keeps(report, windowed):
     (["--window", "9", "--agent-turns", "3"], "never drops one"),
 ])
 def test_window_out_of_range_refused(args, message):
-    result = CliRunner().invoke(app, ["bench", "--config", "tiny", "--modes", "agent", *args])
+    result = CliRunner().invoke(app, ["bench", "--config", "tiny", "--threads", "1", "--modes", "agent", *args])
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output

@@ -208,8 +208,8 @@ def bench_command(
     from mmkv.bench.run import BenchError, build_engine, run_bench
     from mmkv.errors import MMKVError
 
+    _check_window_drops(window, agent_turns, seed)  # refused before the process's thread count changes
     torch.set_num_threads(threads)
-    _check_window_drops(window, agent_turns, seed)
     try:
         engine = build_engine(config, model_dir, device, dtype, max(images, default=256))
         report = run_bench(engine, chosen, repeats, threads, images, skills, policy_tokens, turns,
