@@ -393,7 +393,8 @@ class Engine:
         prompt prefix is reused. `edit_policy` decides what happens when the prompt equals a recent
         one except for a short changed field (see mmkv.request.edits). `on_text(delta)` receives text as
         it is decoded; `should_stop()` is polled between tokens. `fidelity=True` also runs the
-        full recompute and reports how far the first logits are (then the forward runs whole here).
+        full recompute (after the turn's own forward, in the same chunks) and reports how far the
+        first logits are.
 
         Sampling follows OpenAI: temperature in [0, 2] (below 1e-5 greedy), top_p in (0, 1], top_k
         (0 = off), presence / frequency penalties in [-2, 2] over the tokens generated so far,
@@ -475,17 +476,15 @@ class Engine:
         """What a reuse request's answer is checked against (the shadow monitor): the full
         recompute of the client's prompt as sent (an erratum's original, not its rewrite), made
         only when asked for."""
-        if client is None:
-            return None
-        adapter = self.adapter
-        return lambda: prefill_full(adapter, client.input_ids, client.native_positions, client.chunk_features(),
-                                    defer=True)
+        return None if client is None else lambda: self._full_recompute(client)
 
     def _reference(self, spec: RequestSpec, plan: SplicePlan) -> PrefillResult | None:
-        """`fidelity` on the reuse path: the full recompute of the same tokens (cached visual
-        features are what the tower gives), its forward pending like the turn's own."""
-        if not (spec.fidelity and spec.reuse):
-            return None
+        """`fidelity` on the reuse path: the full recompute of the same tokens."""
+        return self._full_recompute(plan) if spec.fidelity and spec.reuse else None
+
+    def _full_recompute(self, plan: SplicePlan) -> PrefillResult:
+        """One ordinary forward over `plan`'s tokens at their native positions (cached visual
+        features are what the tower gives), pending like the turn's own."""
         return prefill_full(self.adapter, plan.input_ids, plan.native_positions, plan.chunk_features(), defer=True)
 
     def _account(self, spec: RequestSpec, placed: Placed, before: tuple[int, int]) -> dict:

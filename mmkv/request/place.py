@@ -1,10 +1,11 @@
 """Place cached KV: the stage between the plan and the forward. Edit detection against recent
 prompts, then the edit policy (mmkv.request.edits), then the exact reuse path: the longest cached prompt
-prefix and the splice of every cached chunk (mmkv.request.splice). Its prefix blocks are stored once the
-request's first token is out: `prefill` hands the insert back to its caller (the request's Run
-runs it), never through shared state, so a request that fails before its first token stores nothing. The turn's final
-forward is left pending in the result (`PrefillResult.advance`): the scheduler runs it, whole or a
-chunk at a time between decode steps (chunked prefill).
+prefix and the splice of every cached chunk (mmkv.request.splice). Its prefix blocks are stored
+once the request's first token is out: `prefill` hands the insert back to its caller (the
+request's Run runs it), never through shared state, so a request that fails before its first
+token stores nothing. The turn's final forward is left pending in the result
+(`PrefillResult.advance`): the scheduler runs it, whole or a chunk at a time between decode steps
+(chunked prefill).
 
 Not thread-safe: the engine's lock covers every call.
 """

@@ -14,7 +14,8 @@ loop (nano-vllm's schedule -> run -> postprocess):
 4. postprocess: each request's `DecodeStream` takes its row of logits; finished requests leave
    the batch and their futures get their `GenerationResult`.
 The budget per turn is one chunk's tokens plus one decode step; they are separate forwards (each
-prefilling request's piece is its own forward, and a decode row does not ride along in it). Only the turn's final forward is chunked: a cache
+prefilling request's piece is its own forward, and a decode row does not ride along in it). Only
+the turn's final forward is chunked: a cache
 miss's precompile (vision tower, the chunk's isolated prefill) and an edit policy's small extra
 forwards run whole in `Engine.start`. Requests keep their own sampling settings, stop strings,
 callbacks and cancellation (a request cancelled mid-prefill ends before its next chunk, its KV
@@ -334,9 +335,7 @@ class Scheduler:
                 logits = self.batch.step(tokens, positions)
         except BaseException as exc:  # noqa: BLE001 - a failed step fails every request in it
             log.exception("batched decode step failed")
-            for r in self._running:
-                fail_future(r.future, exc)
-            self._running, self.batch = [], None
+            self._fail_batch(exc)
             return
         self.decode_steps += 1
         self.decoded_tokens += len(tokens)
@@ -358,9 +357,16 @@ class Scheduler:
             except BaseException as exc:  # noqa: BLE001 - the batch cannot shrink: its rows cannot go on
                 log.exception("finished requests could not leave the decode batch")
                 self._running = [r for i, r in enumerate(self._running) if i not in finished]
-                self._fail_in_flight(exc)
+                self._fail_batch(exc)
                 return
             self._running = [r for i, r in enumerate(self._running) if i not in finished]
+
+    def _fail_batch(self, exc: BaseException) -> None:
+        """The batch is unusable (a failed step, a failed shrink): fail the rows it holds and start
+        it afresh. Prefilling requests keep their own caches and go on."""
+        for r in self._running:
+            fail_future(r.future, exc)
+        self._running, self.batch = [], None
 
     def _shut_down(self) -> None:
         """Fail the waiting requests and end the admitted ones "cancelled" with what they have."""
