@@ -36,6 +36,11 @@ _ENGINE_METRICS = {
     "skill_entries": ("mmkv:skill_cache_entries", "Skills whose KV is cached.", "gauge"),
     "prefix_blocks": ("mmkv:prefix_cache_blocks", "Prompt-prefix blocks cached.", "gauge"),
     "registered_images": ("mmkv:registered_images", "Images registered with the engine, all tenants.", "gauge"),
+    "decode_batch_rows": ("mmkv:decode_batch_rows", "Requests decoding in the batch.", "gauge"),
+    "decode_batch_kv_bytes": ("mmkv:decode_batch_kv_bytes", "Bytes of KV the decode batch holds (a prefix its rows "
+                              "share counted once).", "gauge"),
+    "decode_batch_shared_tokens": ("mmkv:decode_batch_shared_tokens", "Leading KV slots every decoding row shares, "
+                                   "held once.", "gauge"),
     "disk_bytes": ("mmkv:disk_tier_bytes", "Bytes of chunk KV in the disk tier.", "gauge"),
     **{f"{b}_{k}": (f"mmkv:{b}_{m}", doc.format(store=store), kind)
        for b, store in (("redis", "Redis"), ("mooncake", "Mooncake Store"))

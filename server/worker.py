@@ -206,6 +206,7 @@ class EngineWorker:
         """The engine's stats as of its last job, with the store tiers' read now: their counters have
         locks of their own, and the background tier writer finishes between jobs."""
         out = dict(self.stats)
+        out.update(self.scheduler.batch_stats)
         tiers = getattr(self.engine, "tiers", None)
         if tiers is not None:
             try:

@@ -300,8 +300,11 @@ def bench_concurrency_command(
     threads: Annotated[int, typer.Option(help="torch threads.")] = 2,
     mode: Annotated[str, typer.Option(help="clients (N clients, batched vs serial), prefill (a long prompt "
                                            "beside a decoding stream, whole vs chunked), shadow (the fidelity "
-                                           "monitor's cost at --shadow-rate 0, 0.01, 0.1) or all.")] = "all",
-    prompt_tokens: Annotated[int, typer.Option(help="--mode prefill: the long prompt's tokens.")] = 2048,
+                                           "monitor's cost at --shadow-rate 0, 0.01, 0.1), shared (8 and 32 "
+                                           "requests on one --prompt-tokens policy: the batch's KV shared vs "
+                                           "whole; not in all) or all.")] = "all",
+    prompt_tokens: Annotated[int, typer.Option(help="--mode prefill: the long prompt's tokens; "
+                                                          "--mode shared: the policy's.")] = 2048,
     prefill_chunk: Annotated[int, typer.Option(min=1, help="--mode prefill: the chunked arm's chunk.")] = 512,
 ) -> None:
     """Aggregate tokens/s and TTFT for 1, 4 and 8 clients, batched vs serial, and a decoding
@@ -310,8 +313,8 @@ def bench_concurrency_command(
 
     from mmkv.bench.run import build_engine
 
-    if mode not in ("clients", "prefill", "shadow", "all"):
-        raise typer.BadParameter("expected clients, prefill, shadow or all", param_hint="--mode")
+    if mode not in ("clients", "prefill", "shadow", "shared", "all"):
+        raise typer.BadParameter("expected clients, prefill, shadow, shared or all", param_hint="--mode")
     torch.set_num_threads(threads)
     engine = build_engine(config, model_dir, "cpu", None, 64)
     tables = []
@@ -323,10 +326,15 @@ def bench_concurrency_command(
     if mode in ("shadow", "all"):
         tables.append((f"4 clients about one image, {tokens} tokens each, the fidelity monitor off and on",
                        _shadow_table(engine, tokens, rounds)))
+    if mode == "shared":
+        from mmkv.bench.shared_kv import shared_table
+
+        tables.append((f"N requests on one {prompt_tokens}-token policy (in the prefix cache), {tokens} tokens each, "
+                       "through the scheduler (no HTTP)", shared_table(engine, prompt_tokens, (8, 32), tokens, rounds)))
     for what, lines in tables:
         print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {threads} threads, "
               f"model {model_dir or config} ({engine.adapter.num_layers} layers), {what}, "
-              f"median of {rounds} rounds, HTTP on loopback, clients in another process")
+              f"median of {rounds} rounds" + ("" if "no HTTP" in what else ", HTTP on loopback, clients in another process"))
         print("\n".join(lines))
 
 

@@ -37,8 +37,10 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from mmkv.errors import MMKVError, fail_future
+from mmkv.request.shared_kv import SharedPrefixLayer, common_prefix_length
 
 log = logging.getLogger("mmkv.request.scheduler")
 
@@ -59,12 +61,16 @@ def _left_pad(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class DecodeBatch:
-    """The running requests' KV side by side in one cache: per layer [B, kv_heads, K, head_dim],
-    row b left-padded by `pad[b]` slots that its mask hides. Joining copies the batch once
-    (to the longer length); leaving drops the row and the padding every row shares."""
+    """The running requests' KV in one cache. Per layer, the leading slots every row holds
+    bit-identical are kept once (`SharedPrefixLayer.prefix_*`, `prefix_length` slots: one copy
+    of a policy eight requests share, not eight); then each row's own slots [B, kv_heads, K,
+    head_dim], row b left-padded by `pad[b]` slots that its mask hides. Joining copies the rows
+    once (to the longer length); leaving drops the row and the padding every row shares.
+    `share=False` keeps every row whole (the comparison arm of the benchmark)."""
 
-    def __init__(self, adapter):
+    def __init__(self, adapter, share: bool = True):
         self.adapter = adapter
+        self.share = share
         self.cache: DynamicCache | None = None
         self.pad: list[int] = []
 
@@ -72,27 +78,78 @@ class DecodeBatch:
         return len(self.pad)
 
     @property
+    def prefix_length(self) -> int:
+        return 0 if self.cache is None else getattr(self.cache.layers[0], "prefix_length", 0)
+
+    @property
     def length(self) -> int:
-        return 0 if self.cache is None else self.cache.layers[0].keys.shape[-2]
+        """Slots per row: the shared prefix and the row's own (padded) slots."""
+        return 0 if self.cache is None else self.prefix_length + self.cache.layers[0].keys.shape[-2]
+
+    def nbytes(self) -> int:
+        """The KV this batch holds, the shared prefix counted once."""
+        if self.cache is None:
+            return 0
+        held = [t for x in self.cache.layers for t in (x.keys, x.values, getattr(x, "prefix_keys", None),
+                                                       getattr(x, "prefix_values", None))]
+        return sum(t.nbytes for t in held if t is not None)
 
     def add(self, cache: DynamicCache) -> None:
-        """Append a request's prefilled cache (batch 1, its own length) as the last row. All or
-        nothing: every layer's new tensors are built before any is swapped in, so a failure (an
-        out-of-memory error on a GPU) leaves the batch as it was."""
-        rows = cache.layers[: self.adapter.num_layers]
-        n = rows[0].keys.shape[-2]
+        """Append a request's prefilled cache (batch 1, its own length) as the last row; the
+        leading slots it holds bit-identical to every other row go to (or stay in) the shared
+        prefix. All or nothing: every layer's new tensors are built before any is swapped in, so
+        a failure (an out-of-memory error on a GPU) leaves the batch as it was."""
+        row = [(layer.keys, layer.values) for layer in cache.layers[: self.adapter.num_layers]]
         if self.cache is None:
-            fresh = self.adapter.new_cache()
-            for i, layer in enumerate(rows):
-                fresh.update(layer.keys.clone(), layer.values.clone(), i)
-            self.cache, self.pad = fresh, [0]
+            self.cache, self.pad = self._new_cache([(k.clone(), v.clone()) for k, v in row]), [0]
             return
-        k = self.length
+        shared = self._shareable(row)
+        if self.share:
+            prefix, own, pad = self._reshare(shared)
+        else:
+            prefix, own, pad = None, [(x.keys, x.values) for x in self.cache.layers], list(self.pad)
+        n = row[0][0].shape[-2] - shared
+        k = own[0][0].shape[-2]
         m = max(k, n)
-        joined = [(torch.cat((_left_pad(mine.keys, m - k), _left_pad(row.keys, m - n)), dim=0),
-                   torch.cat((_left_pad(mine.values, m - k), _left_pad(row.values, m - n)), dim=0))
-                  for mine, row in zip(self.cache.layers, rows)]
-        self._swap(joined, [p + m - k for p in self.pad] + [m - n])
+        joined = [(torch.cat((_left_pad(keys, m - k), _left_pad(rk[:, :, shared:], m - n)), dim=0),
+                   torch.cat((_left_pad(values, m - k), _left_pad(rv[:, :, shared:], m - n)), dim=0))
+                  for (keys, values), (rk, rv) in zip(own, row)]
+        self._swap(joined, [p + m - k for p in pad] + [m - n], prefix)
+
+    def _shareable(self, row: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """How many leading slots the joining row can share: those bit-identical to the first
+        row's (shared prefix, then its own slots); never more than every row already shares."""
+        if not self.share:
+            return 0
+        p = self.prefix_length
+        if p == 0 and len(self) > 1:
+            return 0  # the rows already share nothing
+        layers = self.cache.layers
+        if p:
+            same = common_prefix_length([(x.prefix_keys, x.prefix_values) for x in layers], row)
+            if same < p or len(self) > 1:
+                return min(same, p)
+        first = self.pad[0]
+        return p + common_prefix_length([(x.keys[:1, :, first:], x.values[:1, :, first:]) for x in layers],
+                                        [(k[:, :, p:], v[:, :, p:]) for k, v in row])
+
+    def _reshare(self, shared: int):
+        """The prefix, the rows' own slots and their padding with `shared` prefix slots: a longer
+        prefix takes the single row's leading slots; a shorter one gives each row the slots it
+        no longer shares (after its padding). Built aside; nothing is swapped in here."""
+        layers, p = self.cache.layers, self.prefix_length
+        prefix = [(x.prefix_keys, x.prefix_values) for x in layers]
+        own = [(x.keys, x.values) for x in layers]
+        if shared > p:  # one row: its first slots become the prefix
+            first, take = self.pad[0], shared - p
+            prefix = [(_cat_prefix(pk, k[:, :, first:first + take]), _cat_prefix(pv, v[:, :, first:first + take]))
+                      for (pk, pv), (k, v) in zip(prefix, own)]
+            return prefix, [(k[:, :, first + take:], v[:, :, first + take:]) for k, v in own], [0]
+        if shared < p:
+            own = [(_unshare(k, pk[:, :, shared:], self.pad), _unshare(v, pv[:, :, shared:], self.pad))
+                   for (k, v), (pk, pv) in zip(own, prefix)]
+            prefix = [(pk[:, :, :shared], pv[:, :, :shared]) if shared else (None, None) for pk, pv in prefix]
+        return prefix, own, list(self.pad)
 
     def remove(self, rows: set[int]) -> None:
         """Drop `rows` and the padding every remaining row shares; all or nothing, as `add`."""
@@ -106,18 +163,46 @@ class DecodeBatch:
                 for layer in self.cache.layers]
         self._swap(kept, [self.pad[i] - trim for i in keep])
 
-    def _swap(self, layers: list[tuple[torch.Tensor, torch.Tensor]], pad: list[int]) -> None:
-        for layer, (keys, values) in zip(self.cache.layers, layers):
+    def _new_cache(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+        cache = self.adapter.new_cache()
+        if any(type(layer) is not DynamicLayer for layer in cache.layers[: len(layers)]):
+            self.share = False  # a sliding-window layer keeps its own semantics; nothing shared
+            for i, (keys, values) in enumerate(layers):
+                cache.update(keys, values, i)
+            return cache
+        cache.layers[: len(layers)] = [SharedPrefixLayer(keys, values) for keys, values in layers]
+        return cache
+
+    def _swap(self, layers: list[tuple[torch.Tensor, torch.Tensor]], pad: list[int], prefix=None) -> None:
+        for i, (layer, (keys, values)) in enumerate(zip(self.cache.layers, layers)):
             layer.keys, layer.values = keys, values
+            if prefix is not None:
+                layer.prefix_keys, layer.prefix_values = prefix[i]
         self.pad = pad
 
     def step(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Run token b at position b for every row; logits [B, V]."""
+        p = self.prefix_length
         slots = torch.arange(self.length + 1)
-        visible = slots[None, :] >= torch.tensor(self.pad)[:, None]
+        visible = (slots[None, :] < p) | (slots[None, :] >= p + torch.tensor(self.pad)[:, None])
         mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
         return self.adapter.forward_decode(torch.tensor(tokens), torch.tensor(positions), self.cache,
                                            mask[:, None, None, :])
+
+
+def _cat_prefix(prefix: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
+    return more.clone() if prefix is None else torch.cat((prefix, more), dim=-2)
+
+
+def _unshare(own: torch.Tensor, slots: torch.Tensor, pad: list[int]) -> torch.Tensor:
+    """Each row's own slots with `slots` [1, H, n, D] (prefix it no longer shares) put back
+    between its padding and its slots: [B, H, n + K, D], the padding unchanged."""
+    n = slots.shape[-2]
+    out = own.new_zeros(own.shape[0], own.shape[1], n + own.shape[2], own.shape[3])
+    for b, first in enumerate(pad):
+        out[b, :, first:first + n] = slots[0]
+        out[b, :, first + n:] = own[b, :, first:]
+    return out
 
 
 @dataclass(eq=False)
@@ -140,13 +225,15 @@ class Scheduler:
     returns a future of the request's GenerationResult; its keyword arguments are `Engine.start`'s.
     `prefill_chunk`: prompt tokens per prefill forward between decode steps (0: whole prefills)."""
 
-    def __init__(self, engine, max_batch: int = 8, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, shadow=None):
+    def __init__(self, engine, max_batch: int = 8, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, shadow=None,
+                 share_kv: bool = True):
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         if prefill_chunk < 0:
             raise ValueError("prefill_chunk must be >= 0 (0: prefills are not chunked)")
         self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
         self.shadow = shadow  # mmkv.request.shadow.ShadowMonitor or None: fidelity shadows in idle turns
+        self.share_kv = share_kv  # rows keep the KV they hold bit-identical once (DecodeBatch)
         self.batch: DecodeBatch | None = None  # made on first use: building a scheduler touches no model
         self._waiting: deque[_Request] = deque()
         self._prefilling: list[_Request] = []  # admitted, their forwards not finished
@@ -156,6 +243,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="mmkv-scheduler", daemon=True)
         self.decode_steps = 0
         self.decoded_tokens = 0  # rows summed over steps: decoded_tokens / decode_steps = mean batch
+        self.batch_stats = {"decode_batch_rows": 0, "decode_batch_kv_bytes": 0, "decode_batch_shared_tokens": 0}
 
     def start(self) -> Scheduler:
         self._thread.start()
@@ -250,6 +338,7 @@ class Scheduler:
         for req in self._prefilling + self._running:
             fail_future(req.future, exc)
         self._prefilling, self._running, self.batch = [], [], None
+        self._note_batch()
 
     def _admit(self, req: _Request) -> None:
         """Plan the request and place its cached KV; it joins the prefilling requests."""
@@ -316,7 +405,7 @@ class Scheduler:
         """The prefilled request's KV becomes a row of the decode batch; if that fails (out of
         memory), the request alone fails and the batch is as it was."""
         if self.batch is None:
-            self.batch = DecodeBatch(self.engine.adapter)
+            self.batch = DecodeBatch(self.engine.adapter, share=self.share_kv)
         try:
             with self.engine._lock:
                 self.batch.add(req.run.cache)
@@ -326,6 +415,7 @@ class Scheduler:
             return
         req.run.release_prompt_kv()  # the batch holds its KV now: one copy, not two
         self._running.append(req)
+        self._note_batch()
 
     def _step(self) -> None:
         tokens = [r.token for r in self._running]
@@ -360,6 +450,14 @@ class Scheduler:
                 self._fail_batch(exc)
                 return
             self._running = [r for i, r in enumerate(self._running) if i not in finished]
+            self._note_batch()
+
+    def _note_batch(self) -> None:
+        """What the decode batch holds, for /metrics (read from any thread: one dict swapped in)."""
+        batch = self.batch
+        self.batch_stats = {"decode_batch_rows": 0 if batch is None else len(batch),
+                            "decode_batch_kv_bytes": 0 if batch is None else batch.nbytes(),
+                            "decode_batch_shared_tokens": 0 if batch is None else batch.prefix_length}
 
     def _fail_batch(self, exc: BaseException) -> None:
         """The batch is unusable (a failed step, a failed shrink): fail the rows it holds and start
@@ -367,6 +465,7 @@ class Scheduler:
         for r in self._running:
             fail_future(r.future, exc)
         self._running, self.batch = [], None
+        self._note_batch()
 
     def _shut_down(self) -> None:
         """Fail the waiting requests and end the admitted ones "cancelled" with what they have."""
