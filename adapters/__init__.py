@@ -8,7 +8,7 @@ import torch
 
 from mmkv.errors import ModelLoadError
 
-from .base import ImageFeatures, RopeLayout, VLAdapter, read_model_type
+from .base import ImageFeatures, RopeLayout, VisualGrid, VLAdapter, mrope_positions, read_model_type
 from .qwen2_vl import Qwen2VLAdapter
 from .qwen3_vl import Qwen3VLAdapter
 from .qwen3_vl_moe import Qwen3VLMoeAdapter
@@ -73,5 +73,5 @@ def load_adapter(model_dir: str | Path, dtype: str | torch.dtype | None = None,
     return cls(model, processor)
 
 
-__all__ = ["ImageFeatures", "RopeLayout", "VLAdapter", "load_adapter", "adapter_class", "parse_device", "parse_dtype",
+__all__ = ["ImageFeatures", "RopeLayout", "VisualGrid", "VLAdapter", "mrope_positions", "load_adapter", "adapter_class", "parse_device", "parse_dtype",
            "ADAPTERS", "DTYPES"]

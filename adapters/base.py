@@ -60,6 +60,54 @@ class ImageFeatures:
         return sum(t.numel() * t.element_size() for t in (self.embeds, *self.deepstack))
 
 
+@dataclass(frozen=True)
+class VisualGrid:
+    """One run of visual pad tokens in a prompt: an image, a whole Qwen2/2.5-VL video (its temporal
+    groups back to back), or one Qwen3-VL frame (a one-group grid between its timestamp and the next)."""
+
+    token_id: int  # the image or video pad
+    grid_thw: tuple[int, int, int]  # in patches, before the spatial merge
+    second_per_grid_t: float = 1.0  # videos: temporal_patch_size / sampled fps
+    tokens_per_second: float = 1.0  # videos: the vision config's (Qwen2.5-VL)
+
+
+def mrope_positions(input_ids: torch.Tensor, visuals: list[VisualGrid], merge_size: int) -> torch.Tensor:
+    """Position ids [3, L] by the rule of vLLM and transformers 4.x, the one the released models
+    were trained and are served with: text continues from the largest id so far + 1 on all three
+    axes; a visual run starting at s has temporal ids s + (arange(T) * time_interval).long()
+    (a float32 product, as vLLM computes it), heights s + row, widths s + column. The text after a
+    video therefore starts past its temporal extent too. (transformers 5.x's `get_rope_index`
+    advances the text by max(h, w) only, so after a long Qwen2/2.5-VL video its text positions
+    overlap the video's and disagree with where decoding continues: not followed.)"""
+    ids = input_ids.tolist()
+    out = torch.empty(3, len(ids), dtype=torch.long)
+    grids, pads = iter(visuals), {v.token_id for v in visuals}
+    i, next_id = 0, 0
+    while i < len(ids):
+        j = i + 1
+        while j < len(ids) and (ids[j] in pads) == (ids[i] in pads) and (ids[i] not in pads or ids[j] == ids[i]):
+            j += 1
+        if ids[i] not in pads:
+            out[:, i:j] = torch.arange(next_id, next_id + j - i)
+        else:
+            grid = next(grids, None)
+            if grid is None:
+                raise ValueError("more runs of visual pads than grids")
+            t, h, w = grid.grid_thw[0], grid.grid_thw[1] // merge_size, grid.grid_thw[2] // merge_size
+            if t * h * w != j - i or grid.token_id != ids[i]:
+                raise ValueError(f"a run of {j - i} pads does not match its grid {grid.grid_thw}")
+            seconds = torch.tensor(grid.second_per_grid_t, dtype=torch.float32)
+            temporal = (torch.arange(t).view(-1, 1, 1) * seconds * grid.tokens_per_second).long()
+            out[0, i:j] = (next_id + temporal.expand(t, h, w)).flatten()
+            out[1, i:j] = (next_id + torch.arange(h).view(1, -1, 1).expand(t, h, w)).flatten()
+            out[2, i:j] = (next_id + torch.arange(w).view(1, 1, -1).expand(t, h, w)).flatten()
+        next_id = int(out[:, i:j].max()) + 1
+        i = j
+    if next(grids, None) is not None:
+        raise ValueError("fewer runs of visual pads than grids")
+    return out
+
+
 class VLAdapter:
     """Base for the Qwen-VL families. Subclasses give the rope layout and the deepstack hooks."""
 
@@ -74,6 +122,7 @@ class VLAdapter:
         self.text_config = model.config.text_config
         self.tokenizer = processor.tokenizer
         self.image_token_id = self.config.image_token_id
+        self.video_token_id = self.config.video_token_id
         self.vision_start_id = self.config.vision_start_token_id
         self.vision_end_id = self.config.vision_end_token_id
         self.merge_size = self.config.vision_config.spatial_merge_size
@@ -117,6 +166,25 @@ class VLAdapter:
         grid = torch.tensor(grids, dtype=torch.long) if grids else None
         pos, _ = self.model.model.get_rope_index(ids, mm_token_type_ids=mm_types, image_grid_thw=grid)
         return pos[:, 0, :].cpu()
+
+    def positions(self, input_ids: torch.Tensor, visuals: list[VisualGrid]) -> torch.Tensor:
+        """Position ids [3, L] of a prompt holding these visual runs, in order (`mrope_positions`)."""
+        return mrope_positions(input_ids, visuals, self.merge_size)
+
+    def visual_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Where image and video pads sit: the tokens that take visual feature rows, in order."""
+        return (input_ids == self.image_token_id) | (input_ids == self.video_token_id)
+
+    def video_grid(self, grid_thw: tuple[int, int, int], sample_fps: float) -> VisualGrid:
+        """The visual run of a video's pads (Qwen3-VL: of one frame, grid_thw with t = 1)."""
+        return VisualGrid(self.video_token_id, grid_thw)
+
+    def preprocess_video(self, frames: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """Pixel patches and (t, h, w) grid of sampled, resized frames [N, 3, H, W] uint8 (mmkv.video),
+        by the checkpoint's own video processor (normalised and patchified, not resized again)."""
+        out = self.processor.video_processor(videos=[frames], do_resize=False, do_sample_frames=False,
+                                             return_tensors="pt")
+        return out["pixel_values_videos"], tuple(int(x) for x in out["video_grid_thw"][0])
 
     def image_token_count(self, grid_thw: tuple[int, int, int]) -> int:
         t, h, w = grid_thw
@@ -171,13 +239,13 @@ class VLAdapter:
 
     def _run_lm(self, input_ids, position_ids, cache, features, attention_mask):
         ids = input_ids.view(1, -1).to(self.device)
-        is_image = ids == self.image_token_id
+        is_image = self.visual_mask(ids)
         embeds = self.language_model.embed_tokens(ids)
         n_img = int(is_image.sum())
         if n_img:
             if features is None or features.embeds.shape[0] != n_img:
                 got = 0 if features is None else features.embeds.shape[0]
-                raise ValueError(f"{n_img} image-pad tokens but {got} image feature rows")
+                raise ValueError(f"{n_img} image / video pad tokens but {got} visual feature rows")
             embeds = embeds.masked_scatter(is_image[..., None], features.embeds.to(self.device, embeds.dtype))
         return self.language_model(
             inputs_embeds=embeds,

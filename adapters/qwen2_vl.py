@@ -6,13 +6,22 @@ import torch
 
 from mmkv.errors import ModelLoadError
 
-from .base import VLAdapter
+from .base import VisualGrid, VLAdapter
 
 
 class Qwen2VLAdapter(VLAdapter):
     family = "qwen2_vl"
     model_types = ("qwen2_vl", "qwen2_5_vl")
     rope_layout_name = "sectioned"
+
+    def video_grid(self, grid_thw: tuple[int, int, int], sample_fps: float) -> VisualGrid:
+        """Qwen2.5-VL spaces groups by second_per_grid_t = temporal_patch_size / sample_fps (its
+        processor's) times the vision config's tokens_per_second; Qwen2-VL has neither: 1 per group."""
+        tokens_per_second = getattr(self.config.vision_config, "tokens_per_second", None)
+        if tokens_per_second is None:
+            return VisualGrid(self.video_token_id, grid_thw)
+        seconds = self.config.vision_config.temporal_patch_size / sample_fps
+        return VisualGrid(self.video_token_id, grid_thw, seconds, tokens_per_second)
 
     @staticmethod
     def _axis_of_freq(section: list[int], n_freq: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from mmkv.store.fingerprint import model_fingerprint
 from mmkv.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from mmkv.hub import resolve_model
 from mmkv.images import DEFAULT_MAX_IMAGE_PIXELS, PreparedImage
+from mmkv.video import DecodedVideo, VideoLimits, VideoSampling
 from mmkv.store.kv_store import KVStore
 from mmkv.request.messages import parse_messages
 from mmkv.store.prefix_cache import PrefixCache
@@ -36,7 +37,8 @@ from mmkv.request.spec import RequestSpec, build_spec
 from mmkv.request.tools import ContentFilter, ToolCall, ToolSpec
 from mmkv.request.place import EditReport, KVPlacer, Placed
 from mmkv.request.plan import PROCESSOR_ONLY, Planner, SplicePlan, check_policy, check_seam_tokens
-from mmkv.request.registry import ImageInfo, Registries, RegisteredImage, SkillInfo, check_skill
+from mmkv.request.registry import ImageInfo, Registries, Skill, SkillInfo, check_skill
+from mmkv.request.videos import VideoInfo
 from mmkv.request.registry import image_id_for  # noqa: F401  re-exported: mmkv.bench.run imports it from here
 from mmkv.request.splice import PrefillResult, prefill_full
 from mmkv.store.tiers import StoreConfig, Tiers, digest_cache_path
@@ -58,6 +60,8 @@ class EngineSettings:
     prefix_cache: bool = True
     edit_max_tokens: int = 16  # longest substitution the edit detector treats as a field change
     selective_layer: int = 1  # layer whose KV change ranks tokens for selective@K
+    video_limits: VideoLimits = VideoLimits()  # per video: bytes, frame size, duration, frames, tokens, decode time
+    video_store_bytes: int = 1 << 30  # sampled frames kept for uploaded videos
 
     def __post_init__(self):
         check_seam_tokens(self.seam_tokens)
@@ -112,6 +116,7 @@ class GenerationResult:
     reuse: bool
     prefix_tokens_reused: int = 0
     skill_tokens_reused: int = 0
+    video_tokens_reused: int = 0
     fidelity: Fidelity | None = None
     edit: EditReport | None = None
     first_logits: torch.Tensor | None = None  # [V] float32, next-token logits after the prompt
@@ -235,6 +240,7 @@ class Engine:
         self.registry = Registries(adapter, self.settings, self.cache, self.tiers, self.fingerprint,
                                    self.grid_settings, self.anchor_ids, self.max_context)
         self.registry.restore()
+        self.planner.videos = self.registry.videos
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path | None = None, dtype: torch.dtype | str | None = None,
@@ -324,6 +330,32 @@ class Engine:
         with self._lock:
             self.registry.remove_image(image_id, tenant)
 
+    # ---- videos ----------------------------------------------------------------------------------
+    def prepare_video(self, data, **sampling) -> DecodedVideo:
+        """Decode, sample, resize and hash a video: MP4 / MOV / WebM / MKV bytes, a binary file
+        object, a data: URL, or [(PIL image, seconds), ...] (mmkv.video). `sampling`: fps, nframes,
+        max_pixels, video_start, video_end. Thread-safe and lock-free; changes nothing. Limits
+        (`EngineSettings.video_limits`) raise VideoTooLargeError, bad data InvalidVideoError."""
+        return self.registry.videos.prepare(data, VideoSampling.parse(sampling))
+
+    def add_video(self, data, tenant: str = "", **sampling) -> str:
+        """Register a video and precompile every temporal group's KV; returns its stable id (from
+        the content hash). A message splices it with {"type": "video_file", "video_file":
+        {"file_id": id}}. Raises VideoStoreFullError when its frames would overflow
+        `video_store_bytes`."""
+        prepared = self.prepare_video(data, **sampling)
+        with self._lock:
+            return self.registry.videos.add(prepared, tenant)
+
+    def video_info(self, video_id: str, tenant: str = "") -> VideoInfo:
+        with self._lock:
+            return self.registry.videos.info(video_id, tenant)
+
+    def remove_video(self, video_id: str, tenant: str = "") -> None:
+        """Drop a video's frames and every group's cached KV, with every prefix block holding it."""
+        with self._lock:
+            self.registry.videos.remove(video_id, tenant)
+
     # ---- skills ----------------------------------------------------------------------------------
     def add_skill(self, name: str, text: str, tenant: str = "") -> str:
         """Precompile a text skill (a policy, a tool spec, a memory block) in isolation; returns its
@@ -362,7 +394,8 @@ class Engine:
         prepared = self.registry.prepare_inline(refs)
         with self._lock, self.registry.inline_images() as held:
             ids, spans = self.planner.prompt(template, self.registry.resolve(refs, tenant, prepared, held))
-            return self.planner.plan(ids, [(s, self.registry.chunk_for(r, tenant)) for s, r in spans], policy)
+            native = self.planner.native_positions(ids, [r for _, r in spans])
+            return self.planner.plan(ids, [(s, self.registry.chunk_for(r, tenant)) for s, r in spans], policy, native)
 
     # ---- generation -------------------------------------------------------------------------------
     def generate(self, messages, **kwargs) -> GenerationResult:
@@ -461,14 +494,13 @@ class Engine:
         (mmkv.request.place). Else the reference: one full forward over the whole prompt. Either
         forward is left pending (the scheduler runs it in chunks). Also returns the client's own
         plan on the reuse path (an erratum rewrites the one placed), None on the reference path."""
+        native = self.planner.native_positions(input_ids, [r for _, r in spans])
         if spec.reuse:
             chunks = [(s, self.registry.chunk_for(r, spec.tenant)) for s, r in spans]
-            plan = self.planner.plan(input_ids, chunks, spec.policy)
+            plan = self.planner.plan(input_ids, chunks, spec.policy, native)
             return self.placer.prefill(plan, spec.tenant, self._salt(spec.tenant, spec.seam, spec.policy), spec.seam,
                                        spec.policy, spec.edit, spec.max_new_tokens), plan
-        images = [r for r in resolved if isinstance(r, RegisteredImage)]
-        native = self.adapter.native_positions(input_ids, [r.grid_thw for r in images])
-        feats = ImageFeatures.concat([self.registry.encode(r) for r in images])
+        feats = ImageFeatures.concat([self.registry.features_for(r) for _, r in spans if not isinstance(r, Skill)])
         prefill = prefill_full(self.adapter, input_ids, native, feats, defer=True)
         return Placed(prefill, SplicePlan(input_ids, native, native, [], [None] * input_ids.numel()), None, None), None
 
@@ -501,7 +533,7 @@ class Engine:
             lm_tokens_computed=prefill.computed_tokens + self.registry.precompiled_tokens - computed_before,
             vision_tower_runs=self.registry.vision_tower_runs - runs_before, seam_tokens=spec.seam,
             rope_policy=spec.policy, reuse=spec.reuse, prefix_tokens_reused=reused["prefix"],
-            skill_tokens_reused=reused["skill"], fidelity=None, edit=placed.report,
+            skill_tokens_reused=reused["skill"], video_tokens_reused=reused["video"], fidelity=None, edit=placed.report,
             first_logits=None)  # both set by Run.prefill
 
     def _stream(self, spec: RequestSpec, plan: SplicePlan, t0: float) -> tuple[ContentFilter | None, DecodeStream]:
@@ -534,7 +566,7 @@ class Engine:
         image pads and skill tokens (spliced or inside a prefix-cache hit), and the prefix-cache
         hit. A spliced chunk that was precompiled for this request (`fresh`) was computed. Counted
         per reused range and placement (`plan.chunk_keys` names each placement's tokens), not per token."""
-        out = {"image": 0, "skill": 0, "prefix": prefill.prefix_tokens, "all": 0}
+        out = {"image": 0, "skill": 0, "video": 0, "prefix": prefill.prefix_tokens, "all": 0}
         pad, cut = self.adapter.image_token_id, prefill.prefix_tokens
         for a, b in prefill.reused_ranges:
             out["all"] += b - a
@@ -551,6 +583,8 @@ class Engine:
                     out["skill"] += hi - lo
                 elif p.entry.kind == "image":
                     out["image"] += int((plan.input_ids[lo:hi] == pad).sum())
+                elif p.entry.kind == "video":
+                    out["video"] += int((plan.input_ids[lo:hi] == self.adapter.video_token_id).sum())
         return out
 
     # ---- introspection -------------------------------------------------------------------------------
@@ -578,6 +612,9 @@ class Engine:
                 "image_store_bytes": reg.store_bytes,
                 "image_store_budget_bytes": self.settings.image_store_bytes,
                 "registered_skills": len(reg.skills),
+                "video_cache_entries": self.cache.count("video"),
+                "registered_videos": len(reg.videos.videos),
+                "video_store_bytes": reg.videos.store_bytes,
                 "ram_evictions": self.cache.evictions,  # per tier, as the tiers' stats below
                 **(self.tiers.stats() if self.tiers is not None else {}),
             }

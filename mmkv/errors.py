@@ -106,3 +106,39 @@ def fail_future(future, exc: BaseException) -> None:
     if future.done() or (not future.running() and not future.set_running_or_notify_cancel()):
         return
     future.set_exception(settleable(exc))
+
+
+class InvalidVideoError(InvalidRequestError):
+    """Bytes that are not a decodable video in an accepted container (MP4, MOV, WebM, MKV), a file
+    without a video stream, or frames that cannot be read."""
+
+    code = "invalid_video"
+
+
+class VideoTooLargeError(InvalidVideoError):
+    """A video over one of the limits (duration, frames, decoded bytes, tokens, frame size, decode
+    time); the message names the limit and its value."""
+
+    code = "video_too_large"
+
+
+class VideoURLNotAllowedError(InvalidVideoError):
+    """An http(s) or file URL where only data: URLs and uploaded ids are accepted."""
+
+    code = "video_url_not_allowed"
+
+
+class UnknownVideoError(MMKVError):
+    """A video id that this tenant never added, or that was deleted."""
+
+    http_status = 404
+    error_type = "invalid_request_error"
+    code = "video_not_found"
+
+
+class VideoStoreFullError(MMKVError):
+    """The engine's video store (the sampled frames of uploaded videos) is at its byte budget."""
+
+    http_status = 507
+    error_type = "server_error"
+    code = "video_store_full"

@@ -15,7 +15,7 @@ from typing import Any
 
 from PIL import Image
 
-from mmkv.errors import InvalidImageError
+from mmkv.errors import InvalidImageError, InvalidVideoError
 
 from .worker import QueueFullError
 
@@ -42,14 +42,18 @@ class ImagePreparer:
     async def prepare_upload(self, data: bytes, param: str) -> PreparedUpload:
         return await self._run(lambda d: PreparedUpload(self._prepare(d), _media_type(d)), data, param)
 
+    async def run(self, fn: Callable[[Any], Any], data: Any, param: str) -> Any:
+        """`fn(data)` on the pool (videos decode here too), bounded like an image."""
+        return await self._run(fn, data, param)
+
     async def _run(self, fn: Callable[[Any], Any], data: Any, param: str) -> Any:
         if self._pending >= self.max_pending:
             raise QueueFullError(f"{self.max_pending} images are waiting to be decoded; retry shortly", param=param)
         self._pending += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, data)
-        except InvalidImageError as exc:
-            exc.param = param
+        except (InvalidImageError, InvalidVideoError) as exc:
+            exc.param = exc.param if isinstance(exc, InvalidVideoError) and exc.param else param
             raise
         finally:
             self._pending -= 1

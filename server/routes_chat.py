@@ -45,8 +45,11 @@ from .schemas import (
     TokenLogprob,
     UnsupportedParameterError,
     Usage,
+    VideoFilePart,
+    VideoURLPart,
     parse_content_part,
 )
+from .video_prep import engine_video_part
 from .worker import Job, WorkerStoppedError
 
 log = logging.getLogger("mmkv.server")
@@ -136,6 +139,7 @@ class ChatCompletions:
                                  vision_tower_runs=result.vision_tower_runs,
                                  prefix_tokens_reused=result.prefix_tokens_reused,
                                  skill_tokens_reused=result.skill_tokens_reused,
+                                 video_tokens_reused=result.video_tokens_reused,
                                  lm_tokens_computed=result.lm_tokens_computed,
                                  edit=dataclasses.asdict(result.edit) if result.edit else None,
                                  fidelity=dataclasses.asdict(result.fidelity) if result.fidelity else None)
@@ -309,6 +313,9 @@ async def engine_messages(ctx: ServerContext, body: ChatCompletionRequest, tenan
             part = parse_content_part(raw, param)
             if isinstance(part, (TextPart, SkillPart, StateUpdatePart)):
                 parts.append(part.model_dump())  # the engine checks skill ids per tenant (404)
+                continue
+            if isinstance(part, (VideoURLPart, VideoFilePart)):
+                parts.append(await engine_video_part(ctx, part, param, tenant))
                 continue
             images += 1
             if images > ctx.settings.max_images_per_request:

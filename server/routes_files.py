@@ -12,12 +12,13 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
-from mmkv.errors import InvalidImageError, InvalidRequestError, UnknownImageError
+from mmkv.errors import InvalidImageError, InvalidRequestError, UnknownImageError, UnknownVideoError
 
 from .context import ServerContext
 from .files import FileQuotaError, FileStoreFullError, StoredFile, new_stored_file
 from .pagination import PageQuery, page_query, paginate
 from .schemas import FileDeleted, FileList, FileObject, UnsupportedParameterError, id_links
+from .video_prep import looks_like_video, upload_video
 
 
 def files_router(ctx: ServerContext) -> APIRouter:
@@ -27,12 +28,15 @@ def files_router(ctx: ServerContext) -> APIRouter:
     @router.post("/v1/files", response_model=FileObject, openapi_extra=_UPLOAD_BODY,
                  responses={200: {"links": id_links("file_id", "get_file", "get_file_content", "delete_file")}})
     async def upload_file(request: Request, tenant: str = Depends(ctx.tenant_of)) -> FileObject:
-        """Store an image, decode and check it, and precompile its KV. Same bytes, same id."""
+        """Store an image or a video, decode and check it, and precompile its KV (a video's per
+        temporal group; `image_tokens` then counts its video pads). Same bytes, same id."""
         file = await _uploaded_file(request)
         data = await file.read()
         if not data:
             raise InvalidImageError("the uploaded file is empty", param="file")
         files.check_room(tenant, len(data))
+        if looks_like_video(data):  # MP4 / MOV / WebM / MKV: mmkv.video, every temporal group precompiled
+            return _file_object(await upload_video(ctx, request, tenant, file.filename, data))
         upload = await ctx.images.prepare_upload(data, "file")
 
         def add(engine, _should_stop):
@@ -77,8 +81,9 @@ def files_router(ctx: ServerContext) -> APIRouter:
         tier that does not answer makes it a 503 (retry it; docs/server.md, Delete)."""
         await run_in_threadpool(files.get, tenant, file_id)
         try:
-            await ctx.run_job(request, lambda engine, _: engine.remove_image(file_id, tenant=tenant))
-        except UnknownImageError:
+            await ctx.run_job(request, lambda engine, _: (engine.remove_video if file_id.startswith("vid-")
+                                                          else engine.remove_image)(file_id, tenant=tenant))
+        except (UnknownImageError, UnknownVideoError):
             pass  # the engine no longer has it; the bytes still go
         await run_in_threadpool(files.remove, tenant, file_id)
         return FileDeleted(id=file_id)
@@ -90,9 +95,11 @@ def files_router(ctx: ServerContext) -> APIRouter:
 _UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {
     "schema": {"type": "object", "required": ["file"], "additionalProperties": False, "properties": {
         "file": {"type": "string", "format": "binary", "minLength": 1,
-                 "description": "One image: PNG, JPEG, GIF, WebP or another format Pillow decodes."},
+                 "description": "One image (PNG, JPEG, GIF, WebP or another format Pillow decodes) or one "
+                                "video (MP4, MOV, WebM, MKV)."},
         "purpose": {"type": "string", "enum": ["vision"], "default": "vision"}}},
-    "encoding": {"file": {"contentType": "image/png, image/jpeg, image/gif, image/webp"}}}}}}
+    "encoding": {"file": {"contentType": "image/png, image/jpeg, image/gif, image/webp, video/mp4, "
+                                         "video/quicktime, video/webm, video/x-matroska"}}}}}}
 
 
 async def _uploaded_file(request: Request) -> UploadFile:

@@ -82,6 +82,42 @@ class ImageFilePart(BaseModel):
     image_file: ImageFile
 
 
+class VideoURL(BaseModel):
+    model_config = _PART
+    url: str
+
+
+class VideoSamplingFields(BaseModel):
+    """qwen-vl-utils' per-video settings (mmkv.video.VideoSampling checks their ranges)."""
+
+    model_config = _PART
+    fps: float | None = None
+    nframes: int | None = None
+    max_pixels: int | None = None
+    video_start: float | None = None
+    video_end: float | None = None
+
+
+class VideoURLPart(VideoSamplingFields):
+    """A video as a data: URL (MP4, MOV, WebM, MKV), sampled with the settings beside it."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+class VideoFile(BaseModel):
+    model_config = _PART
+    file_id: str
+
+
+class VideoFilePart(BaseModel):
+    """A video uploaded once through /v1/files, referenced by id."""
+
+    model_config = _PART
+    type: Literal["video_file"]
+    video_file: VideoFile
+
+
 class SkillPart(BaseModel):
     """A text skill precompiled through /v1/skills, spliced in at this place."""
 
@@ -101,7 +137,7 @@ class StateUpdatePart(BaseModel):
     value: str | int | float | bool
 
 
-ContentPart = Annotated[TextPart | ImageURLPart | ImageFilePart | SkillPart | StateUpdatePart,
+ContentPart = Annotated[TextPart | ImageURLPart | ImageFilePart | VideoURLPart | VideoFilePart | SkillPart | StateUpdatePart,
                         Field(discriminator="type")]
 _content_part = TypeAdapter(ContentPart)
 
@@ -123,10 +159,11 @@ def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
 
 # Published as the schema of a message's parts, which the route checks one by one (parse_content_part).
 CONTENT_PART_SCHEMA = _inlined(_content_part.json_schema())
-PART_TYPES = "'text', 'image_url', 'image_file', 'skill' or 'state_update'"
+PART_TYPES = "'text', 'image_url', 'image_file', 'video_url', 'video_file', 'skill' or 'state_update'"
 
 
-def parse_content_part(raw: Any, param: str) -> TextPart | ImageURLPart | ImageFilePart | SkillPart | StateUpdatePart:
+def parse_content_part(raw: Any, param: str) -> (TextPart | ImageURLPart | ImageFilePart | VideoURLPart | VideoFilePart
+                                                  | SkillPart | StateUpdatePart):
     """One content part, or InvalidRequestError (400) naming `param` and what is wrong."""
     try:
         return _content_part.validate_python(raw)
@@ -451,6 +488,7 @@ class MMKVReport(BaseModel):
     vision_tower_runs: int = Field(description="Vision tower runs this request caused.")
     prefix_tokens_reused: int = Field(0, description="Leading prompt tokens taken from the prefix cache.")
     skill_tokens_reused: int = Field(0, description="Skill tokens spliced from cached KV.")
+    video_tokens_reused: int = Field(0, description="Video pad tokens spliced from cached KV.")
     lm_tokens_computed: int = Field(0, description="Prompt tokens the language model computed.")
     edit: dict[str, Any] | None = Field(None, description="The edit policy's report when a changed field was "
                                         "detected or an edit policy was asked for.")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "mmkv"
-FLOORS = {"cli": 0, "selftest": 1, "bench": 1, "engine": 2, "request": 3, "store": 4, "images": 5, "hub": 5,
+FLOORS = {"cli": 0, "selftest": 1, "bench": 1, "engine": 2, "request": 3, "store": 4, "images": 5, "video": 5, "hub": 5,
           "kv": 6, "testing": 6, "errors": 7}
 
 

@@ -405,7 +405,8 @@ def test_evicting_a_chunk_takes_its_referencing_blocks(tiny_dirs, engine):
 def _reused_by_kind_reference(engine, plan, prefill, fresh) -> dict[str, int]:
     """The engine's reused-token counts as first written: token by token."""
     kinds = {p.entry.key: p.entry.kind for p in plan.placements}
-    out = {"image": 0, "skill": 0, "prefix": prefill.prefix_tokens, "all": 0}
+    out = {"image": 0, "skill": 0, "video": 0, "prefix": prefill.prefix_tokens, "all": 0}
+    pads = {"image": engine.adapter.image_token_id, "video": engine.adapter.video_token_id}
     for a, b in prefill.reused_ranges:
         for i in range(a, b):
             key = plan.chunk_keys[i]
@@ -413,7 +414,7 @@ def _reused_by_kind_reference(engine, plan, prefill, fresh) -> dict[str, int]:
                 continue
             out["all"] += 1
             kind = kinds.get(key)
-            if kind == "skill" or (kind == "image" and int(plan.input_ids[i]) == engine.adapter.image_token_id):
+            if kind == "skill" or (kind in pads and int(plan.input_ids[i]) == pads[kind]):
                 out[kind] += 1
     return out
 

@@ -1,5 +1,6 @@
 """A chunk is a span of tokens prefilled once in isolation and spliced anywhere: an image
-(vision_start, image pads, vision_end) or a text skill. Its keys are stored after RoPE at the
+(vision_start, image pads, vision_end), one temporal group of a video (its pads; on Qwen3-VL its
+timestamp text, vision_start, pads, vision_end) or a text skill. Its keys are stored after RoPE at the
 positions it was computed at, so a splice only has to rotate them.
 """
 
@@ -40,13 +41,14 @@ def chunk_cache_key(kind: str, content_hash: str, model_fingerprint: str, grid_s
 @dataclass
 class CachedChunk:
     key: str
-    kind: str  # "image" | "skill"
+    kind: str  # "image" | "video" | "skill"
     token_ids: torch.Tensor  # [Lc] long
     position_ids: torch.Tensor  # [3, Lc] positions the KV was computed at (canonical)
     keys: tuple[torch.Tensor, ...]  # per layer [kv_heads, Lc, head_dim], after RoPE at position_ids
     values: tuple[torch.Tensor, ...]  # per layer [kv_heads, Lc, head_dim]
-    features: ImageFeatures | None = None  # images: merged visual embeddings (+ deepstack), one row per pad
-    grid_thw: tuple[int, int, int] | None = None  # images only
+    features: ImageFeatures | None = None  # images, videos: merged visual embeddings (+ deepstack), one row per pad
+    grid_thw: tuple[int, int, int] | None = None  # images, videos (a video group's is (1, h, w))
+    pad_offset: int = 1  # index of the first pad among the chunk's tokens (its pads are contiguous)
     parent = None  # chunks are never inner nodes of the prefix tree
 
     def __post_init__(self):
@@ -56,6 +58,8 @@ class CachedChunk:
         assert all(k.shape[-2] == n and v.shape[-2] == n for k, v in zip(self.keys, self.values)), "KV length == Lc"
         if self.kind == "image":
             assert self.features is not None and self.features.embeds.shape[0] == n - 2, "a feature row per pad"
+        if self.kind == "video":
+            assert self.features is not None and self.pad_offset + self.features.embeds.shape[0] <= n, "pads in chunk"
 
     @property
     def num_tokens(self) -> int:

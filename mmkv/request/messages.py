@@ -11,6 +11,7 @@ from PIL import Image
 
 from mmkv.errors import InvalidRequestError
 from mmkv.images import PreparedImage
+from mmkv.video import DecodedVideo, VideoSampling
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # The processor's image tokens (send images as image parts) and the private-use characters mmkv's own
@@ -37,6 +38,17 @@ class ImageRef:
     image_id: str | None = None
     data: Any = None  # bytes | PIL.Image | PreparedImage | data: URL
     param: str = ""  # where in the request it came from, for errors
+
+
+@dataclass(frozen=True)
+class VideoRef:
+    """One video a prompt references: an id the tenant added, or inline data to decode with its
+    sampling settings."""
+
+    video_id: str | None = None
+    data: Any = None  # bytes | file object | data: URL | [(PIL image, seconds), ...] | DecodedVideo
+    sampling: VideoSampling = VideoSampling()
+    param: str = ""
 
 
 @dataclass(frozen=True)
@@ -102,6 +114,37 @@ def _image_part(part: dict, param: str) -> ImageRef:
     return ImageRef(data=data, param=param)
 
 
+def _video_part(part: dict, param: str) -> VideoRef:
+    """`video_url` (a data: URL, or mmkv://ID), `video_file` (an uploaded id) or, from Python,
+    `video` (bytes, a file object, frames with their times, or an id); sampling settings (`fps`,
+    `nframes`, `max_pixels`, `video_start`, `video_end`) beside them apply to inline data, and are
+    refused for an uploaded id (its frames were sampled at upload)."""
+    kind = part.get("type")
+    sampling = VideoSampling.parse({k: part[k] for k in VideoSampling.FIELDS if k in part}, param)
+    if kind == "video_url":
+        url = part.get("video_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise InvalidRequestError(f"{param}.video_url.url must be a string", param=param)
+        ref = VideoRef(video_id=url.removeprefix("mmkv://"), param=param) if url.startswith("mmkv://") \
+            else VideoRef(data=url, sampling=sampling, param=param)
+    elif kind == "video_file":
+        file = part.get("video_file")
+        file_id = file.get("file_id") if isinstance(file, dict) else None
+        if not isinstance(file_id, str) or not file_id:
+            raise InvalidRequestError(f"{param}.video_file.file_id must be a non-empty string", param=param)
+        ref = VideoRef(video_id=file_id, param=param)
+    else:
+        data = part.get("video")
+        ref = VideoRef(video_id=data, param=param) if isinstance(data, str) and not data.startswith("data:") \
+            else VideoRef(data=data, sampling=sampling, param=param)
+    if ref.video_id is not None and not sampling.is_default:
+        field = next(k for k in VideoSampling.FIELDS if getattr(sampling, k) is not None)
+        raise InvalidRequestError(f"{param}.{field}: an uploaded video was sampled when it was added; send the "
+                                  f"settings with the upload (or the video inline)", param=f"{param}.{field}")
+    return ref
+
+
 def _attach_tool_calls(out: dict, msg: dict, param: str) -> None:
     """An assistant message's OpenAI `tool_calls` go to the template as they are (it renders
     them as <tool_call> blocks); each needs a function name and JSON-object arguments."""
@@ -157,7 +200,7 @@ def _check_tool_results(messages: list) -> None:
         open_ids.discard(call_id)
 
 
-def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | SkillRef]]:
+def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | SkillRef | VideoRef]]:
     """Validate `messages`; return template messages (images as {"type": "image"}, skills as a
     marker text) and the image and skill references in order."""
     if not isinstance(messages, list) or not messages:
@@ -187,6 +230,8 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | SkillRef]
             pparam = f"{param}.content[{j}]"
             if isinstance(part, (Image.Image, PreparedImage)):
                 part = {"type": "image", "image": part}
+            elif isinstance(part, DecodedVideo):
+                part = {"type": "video", "video": part}
             if not isinstance(part, dict):
                 raise InvalidRequestError(f"{pparam} must be an object", param=pparam)
             kind = part.get("type")
@@ -210,8 +255,15 @@ def parse_messages(messages: Any) -> tuple[list[dict], list[ImageRef | SkillRef]
                                               param=pparam)
                 refs.append(_image_part(part, pparam))
                 parts.append({"type": "image"})
+            elif kind in ("video_url", "video_file", "video"):
+                if role not in ("user", "system"):
+                    raise InvalidRequestError(f"{pparam}: videos are accepted in user and system messages only",
+                                              param=pparam)
+                refs.append(_video_part(part, pparam))
+                parts.append({"type": "video"})
             else:
-                raise InvalidRequestError(f"{pparam}.type {kind!r} is not supported; use text, image_url, image_file, skill or state_update",
+                raise InvalidRequestError(f"{pparam}.type {kind!r} is not supported; use text, image_url, image_file, "
+                                          f"video_url, video_file, skill or state_update",
                                           param=f"{pparam}.type")
         out.append({"role": role, "content": parts})
         _attach_tool_calls(out[-1], msg, param)

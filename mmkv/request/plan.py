@@ -13,13 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from mmkv.adapters import ImageFeatures, VLAdapter
+from mmkv.adapters import ImageFeatures, VisualGrid, VLAdapter
 from mmkv.kv.chunks import CachedChunk
 from mmkv.errors import InvalidRequestError
 from mmkv.request.registry import RegisteredImage, Skill
 from mmkv.kv.rerotate import POLICIES, target_positions
 from mmkv.request.splice import Placement
 from mmkv.request.tools import ToolSpec, check_tools, template_supports_tools
+from mmkv.request.videos import RegisteredVideo, VideoGroupRef
 
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # as OpenAI: bounds the stop-string search per token
 PROCESSOR_ONLY = re.compile(r"<\|(vision_[a-z]+|image_pad|video_pad)\|>")  # tokens only the processor places
@@ -146,6 +147,7 @@ class Planner:
     def __init__(self, adapter: VLAdapter):
         self.adapter = adapter
         self.client_text = ClientText(adapter.tokenizer)
+        self.videos = None  # the engine's VideoRegistry: a video's group tokens and grids
 
     def render(self, template_messages: list[dict], add_generation_prompt: bool = True,
                tools: ToolSpec | None = None) -> str:
@@ -169,26 +171,32 @@ class Planner:
         start = self.adapter.tokenizer.convert_ids_to_tokens(self.adapter.vision_start_id)
         return torch.tensor(self.adapter.tokenizer(text.split(start)[0])["input_ids"], dtype=torch.long)
 
-    def prompt(self, template: list[dict], refs: list[RegisteredImage | Skill],
-               tools: ToolSpec | None = None) -> tuple[torch.Tensor, list[tuple[int, RegisteredImage | Skill]]]:
+    def prompt(self, template: list[dict], refs: list[RegisteredImage | Skill | RegisteredVideo],
+               tools: ToolSpec | None = None) -> tuple[torch.Tensor, list[tuple[int, RegisteredImage | Skill |
+                                                                                   VideoGroupRef]]]:
         """Render the chat template and tokenize it, expanding each image placeholder to its pad
-        tokens (as the processor does) and each skill marker to the skill's tokens. Returns the ids
-        and (start index, reference) of every image span and skill, in order. A special token's
-        string in the client's text is plain text (ClientText)."""
+        tokens (as the processor does), each video to its temporal groups (`_video`) and each skill
+        marker to the skill's tokens. Returns the ids and (start index, reference) of every image
+        span, video group and skill, in order. A special token's string in the client's text is
+        plain text (ClientText)."""
         template = self.client_text.messages(template)
         text = self.render(template, tools=tools)
         check_rendered(template, text)
-        self._check_reserved(text, sum(isinstance(r, RegisteredImage) for r in refs))
-        pad = self.adapter.processor.image_token
-        pattern = re.compile(re.escape(pad) + "|\\ue000(\\d+)\\ue001")
+        self._check_reserved(text, sum(isinstance(r, RegisteredImage) for r in refs),
+                             sum(isinstance(r, RegisteredVideo) for r in refs))
+        pad, video_pad = self.adapter.processor.image_token, self.adapter.processor.video_token
+        pattern = re.compile(re.escape(pad) + "|\\ue000(\\d+)\\ue001|(" + re.escape(video_pad) + ")")
         images = iter(r for r in refs if isinstance(r, RegisteredImage))
+        videos = iter(r for r in refs if isinstance(r, RegisteredVideo))
         ids: list[int] = []
         spans = []
         cursor = 0
         for m in pattern.finditer(text):
             ids += self._tokenize_escaped(text[cursor:m.start()])
             cursor = m.end()
-            if m.group(1) is None:
+            if m.group(2) is not None:
+                cursor = self._video(next(videos), ids, spans, text, cursor)
+            elif m.group(1) is None:
                 reg = next(images, None)
                 if reg is None or not ids or ids[-1] != self.adapter.vision_start_id:
                     raise InvalidRequestError("the chat template did not place every image exactly once")
@@ -202,6 +210,25 @@ class Planner:
         if next(images, None) is not None:
             raise InvalidRequestError("the chat template did not place every image exactly once")
         return torch.tensor(ids, dtype=torch.long), spans
+
+    def _video(self, video: RegisteredVideo, ids: list[int], spans: list, text: str, cursor: int) -> int:
+        """Expand the template's vision_start, video pad, vision_end into the video's groups, each
+        a span: its pads inside the one vision_start .. vision_end (Qwen2/2.5-VL), or, as
+        Qwen3-VL's processor renders a video, `<t seconds>` vision_start pads vision_end per group
+        in place of the template's three tokens. Returns where the text resumes."""
+        if not ids or ids[-1] != self.adapter.vision_start_id:
+            raise InvalidRequestError("the chat template did not place every video exactly once")
+        videos = self.videos
+        if videos.timestamps:
+            end = self.adapter.tokenizer.convert_ids_to_tokens(self.adapter.vision_end_id)
+            if not text.startswith(end, cursor):
+                raise InvalidRequestError("the chat template did not place every video exactly once")
+            ids.pop()
+            cursor += len(end)
+        for g in range(video.video.num_groups):
+            spans.append((len(ids), VideoGroupRef(video, g)))
+            ids += videos.group_tokens(video.video, g)[0].tolist()
+        return cursor
 
     def text_ids(self, text: str) -> list[int]:
         """Client text that does not pass through the chat template (an erratum line built from a
@@ -219,24 +246,45 @@ class Planner:
             cursor = m.end()
         return ids + tok(text[cursor:])["input_ids"]
 
-    def _check_reserved(self, text: str, images: int) -> None:
+    def _check_reserved(self, text: str, images: int, videos: int = 0) -> None:
         """Each text part was checked alone (mmkv.request.messages); adjacent parts can still join into a
         placeholder ("<|image_" + "pad|>"), so the rendered prompt may hold processor-only tokens
         only where the template put an image."""
         tok = self.adapter.tokenizer
         placeholder = (tok.convert_ids_to_tokens(self.adapter.vision_start_id) + self.adapter.processor.image_token
                        + tok.convert_ids_to_tokens(self.adapter.vision_end_id))
-        stray = PROCESSOR_ONLY.search(text.replace(placeholder, ""))
-        if stray or text.count(placeholder) != images:
-            token = stray.group(0) if stray else placeholder
+        video = placeholder.replace(self.adapter.processor.image_token, self.adapter.processor.video_token)
+        stray = PROCESSOR_ONLY.search(text.replace(placeholder, "").replace(video, ""))
+        if stray or text.count(placeholder) != images or text.count(video) != videos:
+            token = stray.group(0) if stray else placeholder if text.count(placeholder) != images else video
             raise InvalidRequestError(f"the rendered prompt contains the reserved token {token} outside an image part "
                                       f"(adjacent text parts join into it); send images as image parts",
                                       param="messages")
 
-    def plan(self, input_ids: torch.Tensor, spans: list[tuple[int, CachedChunk]], policy: str) -> SplicePlan:
-        """Native positions for the prompt, then each chunk placed at its policy's target."""
-        grids = [c.grid_thw for _, c in spans if c.kind == "image"]
-        native = self.adapter.native_positions(input_ids, grids)
+    def native_positions(self, input_ids: torch.Tensor, refs: list) -> torch.Tensor:
+        """The model's own positions of a prompt whose spans hold these references (`prompt`'s):
+        transformers' for images alone, mmkv's implementation of the released models' rule
+        (mmkv.adapters.mrope_positions) once a video is in it."""
+        if not any(isinstance(r, VideoGroupRef) for r in refs):
+            return self.adapter.native_positions(input_ids, [r.grid_thw for r in refs if isinstance(r, RegisteredImage)])
+        visuals: list[VisualGrid] = []
+        run: list[VideoGroupRef] = []
+        for r in [*refs, None]:
+            if run and not (isinstance(r, VideoGroupRef) and r.video is run[0].video and r.index == run[-1].index + 1):
+                visuals += self.videos.visual_grids(run)
+                run = []
+            if isinstance(r, VideoGroupRef):
+                run.append(r)
+            elif isinstance(r, RegisteredImage):
+                visuals.append(VisualGrid(self.adapter.image_token_id, r.grid_thw))
+        return self.adapter.positions(input_ids, visuals)
+
+    def plan(self, input_ids: torch.Tensor, spans: list[tuple[int, CachedChunk]], policy: str,
+             native: torch.Tensor | None = None) -> SplicePlan:
+        """Native positions for the prompt (given, or those of its image chunks), then each chunk
+        placed at its policy's target."""
+        if native is None:
+            native = self.adapter.native_positions(input_ids, [c.grid_thw for _, c in spans if c.kind == "image"])
         positions = native.clone()
         placements, keys = [], [None] * input_ids.numel()
         for start, chunk in spans:

@@ -34,8 +34,9 @@ from mmkv.errors import (
 from mmkv.store.fingerprint import content_digest, durable_key, image_source_digest
 from mmkv.images import PreparedImage, decode_image
 from mmkv.store.kv_store import KVStore
-from mmkv.request.messages import ImageRef, SkillRef, check_unicode, parse_messages
+from mmkv.request.messages import ImageRef, SkillRef, VideoRef, check_unicode, parse_messages
 from mmkv.request.splice import precompile_chunk, precompile_image
+from mmkv.request.videos import VideoGroupRef, VideoRegistry, prepare_error
 from mmkv.store.tiers import Tiers
 
 log = logging.getLogger("mmkv.engine")
@@ -126,6 +127,7 @@ class Registries:
         self.fresh: set[str] = set()
         self.vision_tower_runs = 0
         self.precompiled_tokens = 0  # anchor + chunk tokens of every precompile
+        self.videos = VideoRegistry(self, settings.video_limits, settings.video_store_bytes)
 
     # ---- images ----------------------------------------------------------------------------------
     def prepare_image(self, data) -> PreparedImage:
@@ -328,8 +330,14 @@ class Registries:
         messages (mmkv.request.plan.ClientText), so a skill cannot end its turn or open another."""
         return torch.tensor(self.adapter.tokenizer(text, split_special_tokens=True)["input_ids"], dtype=torch.long)
 
-    def chunk_for(self, ref: RegisteredImage | Skill, tenant: str) -> CachedChunk:
+    def chunk_for(self, ref: RegisteredImage | Skill | VideoGroupRef, tenant: str) -> CachedChunk:
+        if isinstance(ref, VideoGroupRef):
+            return self.videos.group_chunk(ref, tenant)
         return self.image_chunk(ref, tenant) if isinstance(ref, RegisteredImage) else self.skill_chunk(ref, tenant)
+
+    def features_for(self, ref: RegisteredImage | VideoGroupRef) -> ImageFeatures:
+        """The vision tower's output for an image or a video group (the full-recompute path)."""
+        return self.videos.encode(ref) if isinstance(ref, VideoGroupRef) else self.encode(ref)
 
     # ---- durable tiers: keys, records of uploads and skills (mmkv/store/tiers.py) ----------------------
     def durable_key(self, kind: str, digest: str, tenant: str) -> str:
@@ -392,7 +400,12 @@ class Registries:
         referenced twice is prepared once. An error names the message part."""
         prepared, by_data = {}, {}
         for i, ref in enumerate(refs):
-            if isinstance(ref, SkillRef) or ref.image_id is not None:
+            if isinstance(ref, VideoRef) and ref.video_id is None:
+                try:
+                    prepared[i] = self.videos.prepare(ref.data, ref.sampling)
+                except MMKVError as exc:
+                    raise prepare_error(exc, ref.param) from exc
+            if isinstance(ref, (SkillRef, VideoRef)) or ref.image_id is not None:
                 continue
             same = ref.data if isinstance(ref.data, (str, bytes)) else id(ref.data)
             if same not in by_data:
@@ -409,11 +422,16 @@ class Registries:
         bad one changes nothing. Inline images are registered for this request only: the keys of
         those it registers go to `held` (see inline_images)."""
         known = [self.skill(r.skill_id, tenant, r.param) if isinstance(r, SkillRef)
+                 else (self.videos.lookup(r.video_id, tenant, r.param) if r.video_id is not None else None)
+                 if isinstance(r, VideoRef)
                  else self.lookup_image(r.image_id, tenant, r.param) if r.image_id is not None else None
                  for r in refs]
         resolved = []
         for i, ref in enumerate(refs):
-            if known[i] is None:
+            if known[i] is None and isinstance(ref, VideoRef):
+                video_id, known[i] = self.videos.register(prepared[i], tenant, uploaded=False)
+                held.append((tenant, video_id))
+            elif known[i] is None:
                 image_id = image_id_for(prepared[i].content_hash)
                 if (tenant, image_id) not in self.images:
                     held.append((tenant, image_id))
@@ -430,6 +448,9 @@ class Registries:
             yield held
         finally:
             for key in held:
+                if key in self.videos.videos:
+                    self.videos.release(key)
+                    continue
                 reg = self.images.get(key)
                 if reg is not None and not reg.uploaded:
                     self._unregister(key)
@@ -441,3 +462,4 @@ class Registries:
         kept = sum(reg.source_nbytes for reg in self.images.values())
         assert kept == self.store_bytes, f"image store tracks {self.store_bytes}, holds {kept}"
         assert all(reg.pixel_values is None for reg in self.images.values()), "pixel_values kept after encoding"
+        self.videos.check_integrity()

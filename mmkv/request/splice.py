@@ -115,11 +115,12 @@ def precompile_image(adapter: VLAdapter, features: ImageFeatures, grid_thw, key:
 
 
 def pad_features(entry: CachedChunk, start: int, stop: int) -> ImageFeatures | None:
-    """Feature rows for the image pads among chunk tokens [start, stop) (pads are tokens 1..n)."""
+    """Feature rows for the image / video pads among chunk tokens [start, stop) (pads are the n
+    tokens from `entry.pad_offset` on)."""
     if entry.features is None:
         return None
-    n = entry.features.embeds.shape[0]
-    return entry.features.slice(min(max(start - 1, 0), n), min(max(stop - 1, 0), n))
+    n, o = entry.features.embeds.shape[0], entry.pad_offset
+    return entry.features.slice(min(max(start - o, 0), n), min(max(stop - o, 0), n))
 
 
 def splice_layout(placements: list[Placement], total: int, start: int, seam_tokens: int) -> SpliceLayout:
@@ -377,7 +378,7 @@ def prefill_full(adapter: VLAdapter, input_ids: torch.Tensor, positions: torch.T
     """The reference: one ordinary causal forward over the whole prompt, no cached KV used. With
     `defer` the forward is left in `result.pending` (chunked prefill: `result.advance`)."""
     cache = adapter.new_cache()
-    pads = torch.cumsum(torch.cat((torch.zeros(1, dtype=torch.long), (input_ids == adapter.image_token_id).long())), 0)
+    pads = torch.cumsum(torch.cat((torch.zeros(1, dtype=torch.long), adapter.visual_mask(input_ids).long())), 0)
 
     def pad_rows(lo: int, hi: int) -> ImageFeatures | None:  # `features` rows of the image pads in [lo, hi)
         a, b = int(pads[lo]), int(pads[hi])

@@ -1,0 +1,233 @@
+"""Videos: registration, lookup and purge per tenant, and the KV of each temporal group.
+
+A video is cached as one chunk per temporal group (two sampled frames): on Qwen2/2.5-VL the
+group's pads, on Qwen3-VL its timestamp text `<t seconds>`, vision_start, pads and vision_end, as
+its processor renders each frame. Each group is prefilled once in isolation after the anchor at
+canonical positions (its first pad at the anchor's end, temporal index 0) and spliced wherever a
+prompt holds it, rotated per axis to the native positions there (mmkv.adapters.mrope_positions).
+Groups are keyed by their own content hash, so the same group in another request, another place
+or another video of the same frames runs the vision tower 0 times.
+
+Thread-safety: `prepare` is lock-free (decoding, on the server's image threads); every other
+method runs under the engine's lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mmkv.adapters import ImageFeatures, VisualGrid
+from mmkv.errors import (
+    MMKVError,
+    UnknownVideoError,
+    VideoStoreFullError,
+    VideoTooLargeError,
+)
+from mmkv.kv.chunks import CachedChunk, chunk_cache_key
+from mmkv.video import FRAME_FACTOR, DecodedVideo, PixelBudget, VideoLimits, VideoSampling, decode_video
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    video_id: str
+    width: int  # of a source frame
+    height: int
+    frames: int  # sampled
+    groups: int  # temporal groups: the chunks it is cached as
+    video_tokens: int  # pads the LM sees for it
+    duration_s: float
+    sample_fps: float
+    nbytes: int  # bytes of the upload (0 for frames)
+
+
+@dataclass
+class RegisteredVideo:
+    """A registered video: its sampled, resized frames (counted in the video store) and hashes."""
+
+    video: DecodedVideo
+    uploaded: bool  # added by add_video (kept until removed); else inline, released when its request ends
+
+    @property
+    def nbytes(self) -> int:
+        return self.video.frames.numel()
+
+
+@dataclass(frozen=True)
+class VideoGroupRef:
+    """Temporal group `index` of a registered video, at one place of a prompt."""
+
+    video: RegisteredVideo
+    index: int
+
+
+def video_id_for(content_hash: str) -> str:
+    return f"vid-{content_hash}"
+
+
+class VideoRegistry:
+    """Uploaded and inline videos per tenant and their groups' KV (through `cached_chunk`: the
+    RAM store, else a precompile). `store_bytes` counts the frames of every uploaded video against
+    `store_budget`."""
+
+    def __init__(self, registries, limits: VideoLimits, store_budget: int):
+        """`registries`: the engine's Registries, whose chunk lookup (`_cached_chunk`) and counters
+        (vision tower runs, precompiled tokens, fresh keys) video groups share with images."""
+        r = self.registries = registries
+        self.adapter, self.cache, self.fingerprint, self.anchor = r.adapter, r.cache, r.fingerprint, r.settings.anchor
+        self.anchor_ids, self.max_context, self.limits, self.store_budget = r.anchor_ids, r.max_context, limits, \
+            store_budget
+        vp = self.adapter.processor.video_processor
+        factor = vp.patch_size * vp.merge_size
+        self.budget = PixelBudget(factor, vp.size["shortest_edge"], vp.size["longest_edge"],
+                                  min(limits.max_tokens, int(0.9 * self.max_context)) * factor ** 2)
+        grid_settings = r.grid_settings
+        self.grid_settings = f"{grid_settings}|video={self.budget}"
+        self.timestamps = self.adapter.family.startswith("qwen3")  # Qwen3-VL: a timestamp before each frame
+        self.videos: dict[tuple[str, str], RegisteredVideo] = {}
+        self.store_bytes = 0
+
+    # ---- input -----------------------------------------------------------------------------------
+    def prepare(self, data, sampling: VideoSampling = VideoSampling()) -> DecodedVideo:
+        """Decode, sample, resize and hash (lock-free, changes nothing); refused when its tokens
+        alone leave no room in the context."""
+        if isinstance(data, DecodedVideo):
+            return data
+        video = decode_video(data, self.budget, sampling, self.limits)
+        span = sum(self.group_tokens(video, g)[0].numel() for g in range(video.num_groups)) + 2
+        if self.anchor_ids.numel() + span >= self.max_context:
+            raise VideoTooLargeError(f"the video's {span} tokens leave no room in the context of {self.max_context} "
+                                     f"tokens; lower fps, nframes or max_pixels", param="video")
+        return video
+
+    def group_tokens(self, video: DecodedVideo, g: int) -> tuple[torch.Tensor, int]:
+        """Token ids of group g's chunk and the index of its first pad."""
+        _, _, h, w = video.frames.shape
+        pads = [self.adapter.video_token_id] * ((h // self.budget.factor) * (w // self.budget.factor))
+        if not self.timestamps:
+            return torch.tensor(pads), 0
+        stamp = self.adapter.tokenizer(f"<{video.group_time(g):.1f} seconds>")["input_ids"]
+        ids = stamp + [self.adapter.vision_start_id] + pads + [self.adapter.vision_end_id]
+        return torch.tensor(ids), len(stamp) + 1
+
+    def group_grid(self, video: DecodedVideo) -> tuple[int, int, int]:
+        _, _, h, w = video.frames.shape
+        patch = self.budget.factor // self.adapter.merge_size
+        return 1, h // patch, w // patch
+
+    def visual_grids(self, refs: list[VideoGroupRef]) -> list[VisualGrid]:
+        """The visual runs of one video's consecutive groups: one per group on Qwen3-VL (frames
+        apart), else one for them all (Qwen2/2.5-VL: one block, groups spaced in time)."""
+        video = refs[0].video.video
+        _, h, w = self.group_grid(video)
+        if self.timestamps:
+            return [self.adapter.video_grid((1, h, w), video.sample_fps) for _ in refs]
+        return [self.adapter.video_grid((len(refs), h, w), video.sample_fps)]
+
+    # ---- registry --------------------------------------------------------------------------------
+    def register(self, video: DecodedVideo, tenant: str, uploaded: bool) -> tuple[str, RegisteredVideo]:
+        video_id = video_id_for(video.content_hash)
+        reg = self.videos.get((tenant, video_id))
+        if reg is None:
+            reg = RegisteredVideo(video, uploaded)
+            if uploaded and self.store_bytes + reg.nbytes > self.store_budget:
+                raise VideoStoreFullError(f"the video store holds {self.store_bytes} of {self.store_budget} bytes; "
+                                          f"this video needs {reg.nbytes}: delete videos first", param="video")
+            self.videos[(tenant, video_id)] = reg
+            self.store_bytes += reg.nbytes if uploaded else 0
+        elif uploaded and not reg.uploaded:
+            if self.store_bytes + reg.nbytes > self.store_budget:
+                raise VideoStoreFullError(f"the video store holds {self.store_bytes} of {self.store_budget} bytes; "
+                                          f"this video needs {reg.nbytes}: delete videos first", param="video")
+            reg.uploaded = True
+            self.store_bytes += reg.nbytes
+        return video_id, reg
+
+    def add(self, video: DecodedVideo, tenant: str) -> str:
+        """Register an upload and precompile every group (those cached already are reused)."""
+        video_id, reg = self.register(video, tenant, uploaded=True)
+        try:
+            for g in range(video.num_groups):
+                self.group_chunk(VideoGroupRef(reg, g), tenant)
+        except BaseException:
+            self.remove(video_id, tenant)
+            raise
+        return video_id
+
+    def lookup(self, video_id: str, tenant: str, param: str | None = None) -> RegisteredVideo:
+        reg = self.videos.get((tenant, video_id))
+        if reg is None:
+            raise UnknownVideoError(f"no video with id {video_id!r}", param=param)
+        return reg
+
+    def info(self, video_id: str, tenant: str) -> VideoInfo:
+        v = self.lookup(video_id, tenant).video
+        _, h, w = self.group_grid(v)
+        pads = v.num_groups * h * w // self.adapter.merge_size ** 2
+        return VideoInfo(video_id, v.width, v.height, v.frames.shape[0], v.num_groups, pads, v.duration_s,
+                         v.sample_fps, v.source_bytes)
+
+    def remove(self, video_id: str, tenant: str) -> None:
+        """Forget the video and purge every group's KV (and the prefix blocks holding it) unless
+        another video this tenant holds has the same group."""
+        reg = self.lookup(video_id, tenant)
+        del self.videos[(tenant, video_id)]
+        self.store_bytes -= reg.nbytes if reg.uploaded else 0
+        kept = {self.group_key(r.video, g, tenant) for (t, _), r in self.videos.items() if t == tenant
+                for g in range(r.video.num_groups)}
+        for g in range(reg.video.num_groups):
+            key = self.group_key(reg.video, g, tenant)
+            if key not in kept:
+                self.cache.purge(key)
+
+    def release(self, key: tuple[str, str]) -> None:
+        """An inline video's request ended: forget it (its KV stays in the LRU) unless uploaded since."""
+        reg = self.videos.get(key)
+        if reg is not None and not reg.uploaded:
+            del self.videos[key]
+
+    # ---- KV ----------------------------------------------------------------------------------------
+    def group_key(self, video: DecodedVideo, g: int, tenant: str) -> str:
+        return chunk_cache_key("video", video.group_hashes[g], self.fingerprint, self.grid_settings, self.anchor,
+                               tenant)
+
+    def group_chunk(self, ref: VideoGroupRef, tenant: str) -> CachedChunk:
+        """Group `ref.index`'s cached KV; on a miss the vision tower runs on its two frames and the
+        LM prefills its chunk in isolation."""
+        key = self.group_key(ref.video.video, ref.index, tenant)
+        return self.registries._cached_chunk(key, "video", lambda: self.precompile(ref, key))
+
+    def encode(self, ref: VideoGroupRef) -> ImageFeatures:
+        """The vision tower on one group (its attention never crosses groups, so this equals the
+        group's rows of the whole video's encoding)."""
+        frames = ref.video.video.frames[FRAME_FACTOR * ref.index:FRAME_FACTOR * (ref.index + 1)]
+        pixel_values, grid = self.adapter.preprocess_video(frames)
+        self.registries.vision_tower_runs += 1
+        return self.adapter.encode_image(pixel_values, grid)
+
+    def precompile(self, ref: VideoGroupRef, key: str) -> CachedChunk:
+        video = ref.video.video
+        token_ids, pad_offset = self.group_tokens(video, ref.index)
+        features = self.encode(ref)
+        grid = self.group_grid(video)
+        ids = torch.cat((self.anchor_ids, token_ids))
+        positions = self.adapter.positions(ids, [VisualGrid(self.adapter.video_token_id, grid)])
+        cache = self.adapter.new_cache()
+        self.adapter.forward(ids, positions, cache, features)
+        a = self.anchor_ids.numel()
+        layers = cache.layers[: self.adapter.num_layers]
+        return CachedChunk(key=key, kind="video", token_ids=token_ids, position_ids=positions[:, a:].clone(),
+                           keys=tuple(layer.keys[0, :, a:].clone() for layer in layers),
+                           values=tuple(layer.values[0, :, a:].clone() for layer in layers),
+                           features=features, grid_thw=grid, pad_offset=pad_offset)
+
+    # ---- introspection -----------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        kept = sum(r.nbytes for r in self.videos.values() if r.uploaded)
+        assert kept == self.store_bytes, f"video store tracks {self.store_bytes}, holds {kept}"
+
+
+def prepare_error(exc: MMKVError, param: str) -> MMKVError:
+    """`exc` reworded to name the message part it came from."""
+    return type(exc)(f"{param}: {exc.message}", param=param)
