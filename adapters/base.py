@@ -7,6 +7,7 @@ ids, an optional cache and an optional 4D mask (never the model's stored `rope_d
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from mmkv.errors import ModelLoadError, RopeNotComposableError
+from mmkv.kv.cascade import PREFIX_KWARG, shared_prefix_attention
 
 # Rope types whose rotation by d composes with the stored angle: inv_freq does not depend on the
 # sequence length. YaRN qualifies: its attention factor scales cos and sin alike, so a cached key
@@ -278,19 +280,23 @@ class VLAdapter:
 
     @torch.no_grad()
     def forward_decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
-                       attention_mask: torch.Tensor) -> torch.Tensor:
+                       attention_mask: torch.Tensor, shared_prefix: list | None = None) -> torch.Tensor:
         """One decode step of a batch: token b of `tokens` [B] (text) at `positions` [B] (all
         three M-RoPE axes alike), appended to row b of `cache` (rows left-padded to one length
-        K); `attention_mask` [B, 1, 1, K + 1] (0 / -inf) hides each row's padding. Returns
-        float32 logits [B, V]."""
+        K); `attention_mask` [B, 1, 1, K + 1] (0 / -inf) hides each row's padding. With
+        `shared_prefix` (per layer (keys, values) [1, kv_heads, P, head_dim]) every row also
+        attends to that prefix, held once (mmkv.kv.cascade). Returns float32 logits [B, V]."""
         embeds = self.language_model.embed_tokens(tokens.view(-1, 1).to(self.device))
-        out = self.language_model(
-            inputs_embeds=embeds,
-            position_ids=positions.view(1, -1, 1).expand(3, -1, -1).to(self.device),
-            past_key_values=cache,
-            attention_mask=attention_mask.to(self.device, embeds.dtype),
-            use_cache=True,
-        )
+        kwargs = {} if shared_prefix is None else {PREFIX_KWARG: shared_prefix}
+        with contextlib.nullcontext() if shared_prefix is None else shared_prefix_attention(self.text_config):
+            out = self.language_model(
+                inputs_embeds=embeds,
+                position_ids=positions.view(1, -1, 1).expand(3, -1, -1).to(self.device),
+                past_key_values=cache,
+                attention_mask=attention_mask.to(self.device, embeds.dtype),
+                use_cache=True,
+                **kwargs,
+            )
         return self.model.lm_head(out.last_hidden_state[:, -1]).float()
 
     @torch.no_grad()
