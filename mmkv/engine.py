@@ -34,6 +34,7 @@ from mmkv.request.grammar import GrammarCompiler
 from mmkv.request.sampling import TokenLogprob, TokenTexts
 from mmkv.request.spec import RequestSpec, build_spec
 from mmkv.request.tools import ContentFilter, ToolCall, ToolSpec
+from mmkv.request.compose import HistoryReport
 from mmkv.request.place import EditReport, KVPlacer, Placed
 from mmkv.request.plan import PROCESSOR_ONLY, Planner, SplicePlan, check_policy, check_seam_tokens
 from mmkv.request.registry import ImageInfo, Registries, RegisteredImage, SkillInfo, check_skill
@@ -114,6 +115,7 @@ class GenerationResult:
     skill_tokens_reused: int = 0
     fidelity: Fidelity | None = None
     edit: EditReport | None = None
+    history: HistoryReport | None = None  # history_policy "compose": what it composed
     first_logits: torch.Tensor | None = None  # [V] float32, next-token logits after the prompt
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids when asked for
     tool_calls: list[ToolCall] = field(default_factory=list)  # parsed from `<tool_call>` blocks (then not in text)
@@ -384,7 +386,7 @@ class Engine:
         scheduler drives (mmkv.request.scheduler). The same arguments as `generate`; keyword
         arguments: max_new_tokens (64), temperature, top_p, top_k, seed, stop, presence_penalty,
         frequency_penalty, logit_bias, logprobs, top_logprobs, reuse (True), seam_tokens,
-        rope_policy, tenant, fidelity, edit_policy, tools, tool_choice, response_format, on_text,
+        rope_policy, tenant, fidelity, edit_policy, history_policy, tools, tool_choice, response_format, on_text,
         should_stop, on_logprobs (mmkv.request.spec.build_spec checks them).
 
         Answer OpenAI-shaped `messages`. `reuse=False` is the reference: one full causal forward.
@@ -465,7 +467,7 @@ class Engine:
             chunks = [(s, self.registry.chunk_for(r, spec.tenant)) for s, r in spans]
             plan = self.planner.plan(input_ids, chunks, spec.policy)
             return self.placer.prefill(plan, spec.tenant, self._salt(spec.tenant, spec.seam, spec.policy), spec.seam,
-                                       spec.policy, spec.edit, spec.max_new_tokens), plan
+                                       spec.policy, spec.edit, spec.max_new_tokens, spec.history), plan
         images = [r for r in resolved if isinstance(r, RegisteredImage)]
         native = self.adapter.native_positions(input_ids, [r.grid_thw for r in images])
         feats = ImageFeatures.concat([self.registry.encode(r) for r in images])
@@ -501,7 +503,7 @@ class Engine:
             lm_tokens_computed=prefill.computed_tokens + self.registry.precompiled_tokens - computed_before,
             vision_tower_runs=self.registry.vision_tower_runs - runs_before, seam_tokens=spec.seam,
             rope_policy=spec.policy, reuse=spec.reuse, prefix_tokens_reused=reused["prefix"],
-            skill_tokens_reused=reused["skill"], fidelity=None, edit=placed.report,
+            skill_tokens_reused=reused["skill"], fidelity=None, edit=placed.report, history=placed.history,
             first_logits=None)  # both set by Run.prefill
 
     def _stream(self, spec: RequestSpec, plan: SplicePlan, t0: float) -> tuple[ContentFilter | None, DecodeStream]:

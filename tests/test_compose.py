@@ -1,0 +1,122 @@
+"""Composed history (`history_policy: "compose"`, mmkv/request/compose.py): finished turns kept as
+text chunks and spliced, re-rotated, where a window dropped something before them.
+
+The oracle: a composed turn equals one masked forward in which its block sees what it saw when it
+was computed (the request that computed it, laid out by the same rules: mmkv.request.oracle.Seen),
+its seam tokens the request's own context; tolerance 1e-4 in float32, on both rope layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from conftest import make_png
+from mmkv.engine import Engine
+from mmkv.errors import InvalidRequestError
+from mmkv.kv.chunks import SOURCE_BYTES, tensor_bytes
+from mmkv.request.compose import turn_pieces
+from mmkv.request.oracle import Seen, block_masked_logits
+from mmkv.request.splice import Placement
+
+TOL = 1e-4
+SYSTEM = "you are a careful agent . each step , look at the screen and say what changed since the last one ."
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def engine(request, tiny_dirs):
+    return Engine.from_pretrained(tiny_dirs[request.param], dtype=torch.float32, device="cpu")
+
+
+def _conversation(shots: list[str | None], replies: int) -> list[dict]:
+    """A system turn, then per step a user turn (its screenshot, None when the window dropped it,
+    then its text) and, for the first `replies` steps, the agent's reply."""
+    msgs = [{"role": "system", "content": SYSTEM}]
+    for step, shot in enumerate(shots):
+        parts = [{"type": "image_file", "image_file": {"file_id": shot}}] if shot else []
+        msgs.append({"role": "user", "content": parts + [{"type": "text", "text": f"step {step} : what changed ?"}]})
+        if step < replies:
+            msgs.append({"role": "assistant", "content": f"clicked the button of step {step} , then waited ."})
+    return msgs
+
+
+@dataclass
+class Done:
+    """A request the test served under compose, as the oracle lays it out."""
+
+    plan: object
+    placements: list[Placement]
+    seen: dict[int, Seen]
+    computed: set[str] = field(default_factory=set)  # turn keys this request computed (and stored)
+
+
+def _salt(engine, tenant=""):
+    return engine._salt(tenant, engine.settings.seam_tokens, engine.settings.rope_policy)
+
+
+def _expected(engine, msgs, done: list[Done], tenant="") -> Done:
+    """The request's layout by the rule: every turn piece computed by an earlier request is a
+    composed chunk that sees that request's prompt up to it; the others are computed here."""
+    plan = engine.splice_plan(msgs, tenant=tenant)
+    turn_start = engine.adapter.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    placements, seen, computed = list(plan.placements), {}, set()
+    for piece in turn_pieces(plan.input_ids, plan.chunk_keys, turn_start, _salt(engine, tenant)):
+        source = next((d for d in done if piece.key in d.computed), None)
+        if source is None:
+            computed.add(piece.key)
+            continue
+        there = next(p for p in turn_pieces(source.plan.input_ids, source.plan.chunk_keys, turn_start,
+                                            _salt(engine, tenant)) if p.key == piece.key)
+        entry = engine.cache.get(piece.key, "turn")
+        assert entry is not None, "a piece an earlier request computed is stored"
+        placements.append(Placement(piece.start, entry, plan.positions[:, piece.start:piece.end]))
+        seen[piece.start] = Seen(source.plan.input_ids, source.plan.positions, source.placements, there.start,
+                                 source.seen)
+    return Done(plan, sorted(placements, key=lambda p: p.start), seen, computed)
+
+
+def _oracle(engine, d: Done) -> torch.Tensor:
+    return block_masked_logits(engine.adapter, d.plan.input_ids, d.plan.positions, d.placements,
+                               engine.settings.seam_tokens, engine.anchor_ids, seen=d.seen)[0]
+
+
+def test_composed_turns_equal_their_block_masked_oracle(engine):
+    """Three requests of a windowed agent: A computes everything; B drops A's first screenshot, so
+    A's later turns are composed at moved positions; C drops the next one, composing turns B
+    computed (whose context held turns B composed from A): each equals its oracle."""
+    shots = [engine.add_image(make_png(56, 56, seed=s)) for s in range(4)]
+    done = []
+    for msgs in (_conversation(shots[:2], 1), _conversation([None, shots[1], shots[2]], 2),
+                 _conversation([None, None, shots[2], shots[3]], 3)):
+        want = _expected(engine, msgs, done)
+        r = engine.generate(msgs, max_new_tokens=1, history_policy="compose")
+        gap = (r.first_logits - _oracle(engine, want)).abs().max().item()
+        composed = [p for p in want.placements if p.entry.kind == "turn"]
+        print(f"{engine.adapter.family}: {len(composed)} composed pieces, vs oracle max |diff| {gap:.2e}")
+        assert gap <= TOL
+        assert r.history.policy == "compose" and r.history.stored_turns == len(want.computed)
+        assert (r.history.applied == "compose") == bool(done)
+        done.append(want)
+    assert r.history.composed_turns >= 2 and r.history.composed_tokens > 0
+    exact = block_masked_logits(engine.adapter, want.plan.input_ids, want.plan.positions, want.plan.placements,
+                                engine.settings.seam_tokens, engine.anchor_ids)[0]
+    assert (r.first_logits - exact).abs().max().item() > 100 * TOL, "composed KV is not the exact path's"
+
+
+def test_accounting_counts_only_reused_kv(engine):
+    """A composed request's cached tokens are its prefix hit, its spliced images and the turn
+    tokens placed from turn chunks (seams computed); composed + computed = the prompt."""
+    tenant = "acct"
+    shots = [engine.add_image(make_png(56, 56, seed=10 + s), tenant=tenant) for s in range(3)]
+    engine.generate(_conversation(shots[:2], 1), max_new_tokens=1, history_policy="compose", tenant=tenant)
+    r = engine.generate(_conversation([None, shots[1], shots[2]], 2), max_new_tokens=1, history_policy="compose",
+                        tenant=tenant)
+    h = r.history
+    assert h.applied == "compose" and h.composed_tokens > 0
+    assert r.usage.cached_tokens + r.lm_tokens_computed == r.usage.prompt_tokens
+    plan = engine.splice_plan(_conversation([None, shots[1], shots[2]], 2), tenant=tenant)
+    images = sum(int((plan.input_ids[p.start:p.end] == engine.adapter.image_token_id).sum()) - 0
+                 for p in plan.placements)
+    assert r.image_tokens_reused == images
