@@ -120,3 +120,100 @@ def test_accounting_counts_only_reused_kv(engine):
     images = sum(int((plan.input_ids[p.start:p.end] == engine.adapter.image_token_id).sum()) - 0
                  for p in plan.placements)
     assert r.image_tokens_reused == images
+
+
+def test_exact_requests_never_read_composed_kv(engine):
+    """After composed requests stored their turns and blocks, the same prompts asked exactly (the
+    default) equal the exact path's oracle: no turn chunk placed, no composed block loaded."""
+    tenant = "exact-after"
+    shots = [engine.add_image(make_png(56, 56, seed=20 + s), tenant=tenant) for s in range(3)]
+    first, second = _conversation(shots[:2], 1), _conversation([None, shots[1], shots[2]], 2)
+    for msgs in (first, second, second):
+        engine.generate(msgs, max_new_tokens=1, history_policy="compose", tenant=tenant)
+    assert engine.cache.count("turn") > 0
+    for msgs in (second, second + [{"role": "assistant", "content": "done ."}, {"role": "user", "content": "next ?"}]):
+        r = engine.generate(msgs, max_new_tokens=1, tenant=tenant)
+        plan = engine.splice_plan(msgs, tenant=tenant)
+        want = block_masked_logits(engine.adapter, plan.input_ids, plan.positions, plan.placements,
+                                   engine.settings.seam_tokens, engine.anchor_ids)[0]
+        assert r.history is None and (r.first_logits - want).abs().max().item() <= TOL
+
+
+def test_deleting_an_image_purges_every_turn_that_saw_it(engine):
+    """Turn chunks name every chunk their KV attended to: deleting a screenshot purges the turn
+    holding it and every later turn (and their blocks); the turns before it stay."""
+    tenant = "delete"
+    shots = [engine.add_image(make_png(56, 56, seed=30 + s), tenant=tenant) for s in range(3)]
+    msgs = _conversation(shots[:2], 1)
+    engine.generate(msgs, max_new_tokens=1, history_policy="compose", tenant=tenant)
+    plan = engine.splice_plan(msgs, tenant=tenant)
+    turn_start = engine.adapter.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    pieces = turn_pieces(plan.input_ids, plan.chunk_keys, turn_start, _salt(engine, tenant))
+    shot1 = [p for p in plan.placements if p.entry.kind == "image"][1]
+    assert all(p.key in engine.cache for p in pieces)
+    engine.remove_image(shots[1], tenant=tenant)
+    engine.check_integrity()
+    assert [p.key in engine.cache for p in pieces] == [p.end <= shot1.start for p in pieces]
+    assert any(p.end <= shot1.start for p in pieces) and any(p.start > shot1.start for p in pieces)
+    again = engine.generate(_conversation([None, shots[0]], 1), max_new_tokens=1, history_policy="compose",
+                            tenant=tenant)
+    assert again.history is not None  # a conversation without the deleted screenshot still composes
+
+
+def test_turn_chunks_sit_inside_the_cache_budget(tiny_dirs):
+    """Turn chunks share the KV store's budget, each charged its tensors and its sources; a long
+    composed session in a small budget evicts, stays within it and keeps its books."""
+    eng = Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], dtype=torch.float32, device="cpu", cache_bytes=400_000)
+    shots = [eng.add_image(make_png(56, 56, seed=40 + s)) for s in range(6)]
+    for step in range(2, 7):
+        window = [s if i >= step - 2 else None for i, s in enumerate(shots[:step])]
+        r = eng.generate(_conversation(window, step - 1), max_new_tokens=1, history_policy="compose")
+        eng.check_integrity()
+        assert eng.stats()["cache_bytes"] <= 400_000
+    assert eng.stats()["evictions"] > 0 and r.history is not None
+    turns = [e for e in eng.cache._entries.values() if e.kind == "turn"]
+    assert turns and all(e.nbytes == tensor_bytes((*e.keys, *e.values, e.token_ids, e.position_ids))
+                         + SOURCE_BYTES * len(e.sources) for e in turns)
+
+
+@pytest.mark.parametrize("kwargs", [{"history_policy": "bogus"}, {"history_policy": 3},
+                                    {"history_policy": "compose", "edit_policy": "erratum"},
+                                    {"history_policy": "compose", "reuse": False}])
+def test_bad_history_policy_is_refused_naming_it(engine, kwargs):
+    before = engine.stats()["requests"]
+    with pytest.raises(InvalidRequestError) as err:
+        engine.generate([{"role": "user", "content": "hi"}], max_new_tokens=1, **kwargs)
+    assert err.value.param == "history_policy" and engine.stats()["requests"] == before
+
+
+def test_nothing_to_compose_falls_back_to_exact_and_says_why(engine):
+    r = engine.generate([{"role": "user", "content": "a first question ?"}], max_new_tokens=1,
+                        history_policy="compose", tenant="fresh")
+    assert r.history.applied == "exact" and r.history.reason and r.history.composed_tokens == 0
+
+
+def test_server_reports_the_history_policy_and_refuses_a_bad_one(tiny_dirs):
+    import httpx
+
+    from mmkv.server.app import ServerSettings, create_app
+    from test_server import LiveServer
+
+    eng = Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], dtype=torch.float32, device="cpu")
+    server = LiveServer(create_app(eng, ServerSettings(served_model_names=("tiny",))))
+    try:
+        url = f"{server.base_url}/v1/chat/completions"
+        history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "step 0 : what changed ?"},
+                   {"role": "assistant", "content": "clicked the button of step 0 , then waited ."}]
+        bad = httpx.post(url, json={"model": "tiny", "messages": history[:2], "mmkv": {"history_policy": "nope"}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "history_policy"
+        for msgs in (history + [{"role": "user", "content": "step 1 ?"}],
+                     [history[0], {"role": "user", "content": "step 0 ?"}] + history[2:]
+                     + [{"role": "user", "content": "step 1 ?"}]):
+            r = httpx.post(url, json={"model": "tiny", "messages": msgs, "max_tokens": 1,
+                                      "mmkv": {"history_policy": "compose"}}, timeout=30)
+            assert r.status_code == 200, r.text
+        report = r.json()["mmkv"]["history"]
+        assert report["applied"] == "compose" and report["composed_turns"] >= 1 and report["composed_tokens"] > 0
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= report["composed_tokens"]
+    finally:
+        server.close()
