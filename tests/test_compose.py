@@ -217,3 +217,27 @@ def test_server_reports_the_history_policy_and_refuses_a_bad_one(tiny_dirs):
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= report["composed_tokens"]
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("kind", ["screenshots", "tool outputs"])
+def test_agent_window_conversations_drop_what_they_say(kind):
+    """`mmkv eval --task agent-window`: a screenshot conversation's request keeps the last 3
+    screenshots and every step's text; a tool-output one keeps the last 2 tool outputs and only the
+    current screenshot; every earlier step keeps its question and its reply, in order."""
+    from mmkv.vqa_eval.agent_window import SCREENSHOT_WINDOW, TOOL_WINDOW, build_conversation
+    from mmkv.vqa_eval.dataset import load_vqa_set
+    from mmkv.vqa_eval.run import DEFAULT_SET
+
+    conv = build_conversation(kind, load_vqa_set(DEFAULT_SET), seed=0, turns=9)
+    ids = {s.item.image: f"img-{i}" for i, s in enumerate(conv.steps)}
+    for t in range(len(conv.steps)):
+        msgs = conv.messages(t, ids)
+        users = [m["content"] for m in msgs if m["role"] == "user"]
+        shown = [p["image_file"]["file_id"] for c in users for p in c if p["type"] == "image_file"]
+        tools = [p["text"] for c in users for p in c if p["type"] == "text" and p["text"].startswith("tool output")]
+        keep = SCREENSHOT_WINDOW if kind == "screenshots" else 1
+        assert shown == [f"img-{i}" for i in range(max(0, t + 1 - keep), t + 1)]
+        want_tools = [s.tool for s in conv.steps[max(0, t + 1 - TOOL_WINDOW):t + 1]] if kind == "tool outputs" else []
+        assert tools == want_tools
+        assert [c[-1]["text"] for c in users] == [s.item.question for s in conv.steps[:t + 1]]
+        assert [m["content"] for m in msgs if m["role"] == "assistant"] == [s.item.answer for s in conv.steps[:t]]
