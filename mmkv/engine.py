@@ -35,6 +35,7 @@ from mmkv.request.grammar import GrammarCompiler
 from mmkv.request.sampling import TokenLogprob, TokenTexts
 from mmkv.request.spec import RequestSpec, build_spec
 from mmkv.request.tools import ContentFilter, ToolCall, ToolSpec
+from mmkv.request.compose import HistoryReport
 from mmkv.request.place import EditReport, KVPlacer, Placed
 from mmkv.request.plan import PROCESSOR_ONLY, Planner, SplicePlan, check_policy, check_seam_tokens
 from mmkv.request.registry import ImageInfo, Registries, Skill, SkillInfo, check_skill
@@ -119,6 +120,7 @@ class GenerationResult:
     video_tokens_reused: int = 0
     fidelity: Fidelity | None = None
     edit: EditReport | None = None
+    history: HistoryReport | None = None  # history_policy "compose": what it composed
     first_logits: torch.Tensor | None = None  # [V] float32, next-token logits after the prompt
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids when asked for
     tool_calls: list[ToolCall] = field(default_factory=list)  # parsed from `<tool_call>` blocks (then not in text)
@@ -417,7 +419,7 @@ class Engine:
         scheduler drives (mmkv.request.scheduler). The same arguments as `generate`; keyword
         arguments: max_new_tokens (64), temperature, top_p, top_k, seed, stop, presence_penalty,
         frequency_penalty, logit_bias, logprobs, top_logprobs, reuse (True), seam_tokens,
-        rope_policy, tenant, fidelity, edit_policy, tools, tool_choice, response_format, on_text,
+        rope_policy, tenant, fidelity, edit_policy, history_policy, tools, tool_choice, response_format, on_text,
         should_stop, on_logprobs (mmkv.request.spec.build_spec checks them).
 
         Answer OpenAI-shaped `messages`. `reuse=False` is the reference: one full causal forward.
@@ -499,7 +501,7 @@ class Engine:
             chunks = [(s, self.registry.chunk_for(r, spec.tenant)) for s, r in spans]
             plan = self.planner.plan(input_ids, chunks, spec.policy, native)
             return self.placer.prefill(plan, spec.tenant, self._salt(spec.tenant, spec.seam, spec.policy), spec.seam,
-                                       spec.policy, spec.edit, spec.max_new_tokens), plan
+                                       spec.policy, spec.edit, spec.max_new_tokens, spec.history), plan
         feats = ImageFeatures.concat([self.registry.features_for(r) for _, r in spans if not isinstance(r, Skill)])
         prefill = prefill_full(self.adapter, input_ids, native, feats, defer=True)
         return Placed(prefill, SplicePlan(input_ids, native, native, [], [None] * input_ids.numel()), None, None), None
@@ -534,6 +536,7 @@ class Engine:
             vision_tower_runs=self.registry.vision_tower_runs - runs_before, seam_tokens=spec.seam,
             rope_policy=spec.policy, reuse=spec.reuse, prefix_tokens_reused=reused["prefix"],
             skill_tokens_reused=reused["skill"], video_tokens_reused=reused["video"], fidelity=None, edit=placed.report,
+            history=placed.history,
             first_logits=None)  # both set by Run.prefill
 
     def _stream(self, spec: RequestSpec, plan: SplicePlan, t0: float) -> tuple[ContentFilter | None, DecodeStream]:

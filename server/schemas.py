@@ -291,6 +291,8 @@ class MMKVOptions(BaseModel):
     rope_policy: str | None = Field(None, description="How cached keys are moved to new positions.")
     edit_policy: str | None = Field(None, description="What to do when the prompt equals a recent one but for a "
                                     "changed field: recompute, erratum, in_place or selective@K.")
+    history_policy: str | None = Field(None, description="exact (default) or compose: earlier turns resent at "
+                                       "moved positions spliced from their cached KV (approximate, reported).")
     fidelity: bool = Field(False, description="Also run the full recompute and report how far the fast path's "
                            "first next-token logits are from it (costs a full prefill).")
 
@@ -494,6 +496,8 @@ class MMKVReport(BaseModel):
                                         "detected or an edit policy was asked for.")
     fidelity: dict[str, Any] | None = Field(None, description="With mmkv.fidelity: logit_cosine, max_abs_diff and "
                                             "same_argmax of the first next-token logits against full recompute.")
+    history: dict[str, Any] | None = Field(None, description="With mmkv.history_policy compose: the policy applied "
+                                           "and the turns and tokens composed.")
 
 
 class SkillCreate(BaseModel):

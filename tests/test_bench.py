@@ -209,7 +209,7 @@ def windowed(tmp_path_factory):
                                       "--agent-turns", str(AGENT_TURNS), "--window", "2", "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "keeps the last 2 screenshots, dropping them one at a time" in result.output
-    assert "not measured: mmkv composed" in result.output
+    assert "mmkv composed: next token as full recompute's on" in result.output
     return json.loads(out.read_text())["agent"]
 
 
@@ -234,6 +234,11 @@ def test_windowed_session_exact_prefix_loses_what_mmkv_keeps(report, windowed):
         assert limit["computed_tokens"] == t["new_tokens"]
         assert all(arm["computed_tokens"] >= limit["computed_tokens"] for arm in t["arms"].values())
     assert drops > 0
+    composed = [t["arms"]["mmkv composed"] for t in rows]
+    assert sum(c["composed_tokens"] for c in composed) > 0  # turns after a dropped screenshot were composed
+    assert sum(c["computed_tokens"] for c in composed) < sum(t["arms"]["mmkv exact"]["computed_tokens"] for t in rows)
+    g = windowed["agreement"]["mmkv composed"]
+    assert g["n"] == len(rows) and g["low"] <= g["k"] / g["n"] <= g["high"]
     total = {r["arm"]: r for r in windowed["summary"]}
     whole_prefix = next(r for r in report["agent"]["summary"] if r["arm"] == prefix)
     assert total[prefix]["reused_tokens"] < whole_prefix["reused_tokens"]

@@ -118,7 +118,8 @@ def format_agent(a: dict) -> str:
               + " | ".join(f"{t['arms'][arm]['ms']:.0f} / {t['arms'][arm]['computed_tokens']} / "
                            f"{t['arms'][arm]['reused_tokens']}" for arm in arms)
               + f" | {t['mmkv_expected_reused']} |" for before, t in zip([None, *last], last)]
-    lines += [f"\nnot measured: {arm}: {why}." for arm, why in a["not_measured"].items()]
+    lines += [f"\n{arm}: next token as full recompute's on {g['k']} of {g['n']} turns (exact 95% interval "
+              f"{g['low']:.3f}-{g['high']:.3f})" for arm, g in a["agreement"].items()]
     return "\n".join(lines) + "\n"
 
 

@@ -692,13 +692,13 @@ class PrefixCacheArm:
                 f, tower = self._features(image)
                 feats.append(f.slice(max(hit - first_pad, 0), stop - first_pad))
                 runs += tower
-        ad.forward(ids[hit:], positions[:, hit:], cache, ImageFeatures.concat(feats))
+        logits = ad.forward(ids[hit:], positions[:, hit:], cache, ImageFeatures.concat(feats))
         _sync()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         if self.keep:
             self.kept.append((keys, cache))
         return {"ms": wall * 1e3, "cpu_ms": cpu * 1e3, "computed_tokens": ids.numel() - hit, "vision_runs": runs,
-                "reused_tokens": hit}
+                "reused_tokens": hit, "next_token": int(logits[0].argmax())}
 
 
 def _common_prefix(a: list, b: list) -> int:
@@ -723,9 +723,8 @@ class AgentPrompt:
     dropped: int  # image parts the window has dropped by this turn
 
 
-AGENT_ARMS = ("full recompute", "exact-prefix caching", "encoder cache + prefix caching", "mmkv exact", "limit")
-NOT_MEASURED = {"mmkv composed": 'history_policy "compose" (the surviving turns\' KV re-rotated into place) '
-                                 "is not built yet"}
+AGENT_ARMS = ("full recompute", "exact-prefix caching", "encoder cache + prefix caching", "mmkv exact", "mmkv composed",
+              "limit")
 
 
 def _agent_prompts(engine, script: list[AgentTurn], skill_id: str, file_ids: list[str], tenant: str,
@@ -757,7 +756,9 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
     interleaved turn by turn (`AGENT_ARMS`), each session `repeats` times with fresh caches: full
     recompute, exact-prefix caching and encoder cache + prefix caching (mechanism level,
     PrefixCacheArm), mmkv exact (`Engine.generate` end to end; a new screenshot is uploaded in its
-    turn, `add_image` timed as part of that turn) and the limit (`_limit_turn`). Every caching arm
+    turn, `add_image` timed as part of that turn), mmkv composed (the same under `history_policy`
+    "compose", in its own tenant; its next token checked against full recompute's: `agreement`) and
+    the limit (`_limit_turn`). Every caching arm
     is first served one turn of an earlier session (the shared system prompt, untimed), as a server
     would have been. Each mmkv turn's reused tokens are checked against what the plan says: the
     longest block prefix of an earlier prompt, plus the spliced chunks after it (all but each seam
@@ -786,6 +787,9 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
         mechanism = dict(zip(AGENT_ARMS, (PrefixCacheArm(ad, pngs, keep=False), PrefixCacheArm(ad, pngs, keep=True),
                                           PrefixCacheArm(ad, pngs, keep=True, encoder_cache=True))))
         engine.generate(warm, max_new_tokens=1, tenant=tenant)
+        composed = f"{tenant}-composed"  # its own namespace: its turns and blocks apart from mmkv exact's
+        engine.add_skill("spec", _text_of(ad.tokenizer, skill_tokens, SKILL_SENTENCE), tenant=composed)
+        engine.generate(warm, max_new_tokens=1, tenant=composed, history_policy="compose")
         for arm in list(mechanism.values())[1:]:
             arm.turn(*warm_prompt)
         history = [engine.splice_plan(warm, tenant=tenant)]
@@ -799,6 +803,8 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
                     got[arm] = mechanism[arm].turn(p.ids, p.positions, p.keys, p.images)
                 elif arm == "mmkv exact":
                     got[arm] = _mmkv_turn(engine, p.messages, tenant, new_png)
+                elif arm == "mmkv composed":
+                    got[arm] = _mmkv_turn(engine, p.messages, composed, new_png, history_policy="compose")
                 else:
                     got[arm] = _limit_turn(ad, text, new_png, p.ids.numel(), p.new_tokens)
             plan = engine.splice_plan(p.messages, tenant=tenant)
@@ -813,7 +819,7 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
     return {"turns": turns, "seed": seed, "repeats": repeats, "image_tokens": image_tokens, "window": window,
             "drop_chunk": drop_chunk, "skill_tokens": engine.skill_info(skill_id, tenant=skill_tenant).tokens,
             "script": [asdict(t) for t in script], "summary": _agent_summary(sessions),
-            "not_measured": NOT_MEASURED, "sessions": sessions}
+            "agreement": _agent_agreement(sessions), "sessions": sessions}
 
 
 def _agent_summary(sessions: list[list[dict]]) -> list[dict]:
@@ -834,9 +840,24 @@ def _agent_summary(sessions: list[list[dict]]) -> list[dict]:
     return summary
 
 
-def _mmkv_turn(engine, msgs, tenant: str, new_png: bytes | None) -> dict:
+def _agent_agreement(sessions: list[list[dict]]) -> dict:
+    """Per mmkv arm: turns whose next token equals full recompute's, of all turns, with the exact
+    (Clopper-Pearson) 95% interval."""
+    from scipy.stats import binomtest
+
+    out = {}
+    for arm in ("mmkv exact", "mmkv composed"):
+        same = [row["arms"][arm]["next_token"] == row["arms"]["full recompute"]["next_token"]
+                for rows in sessions for row in rows]
+        ci = binomtest(sum(same), len(same)).proportion_ci(confidence_level=0.95, method="exact")
+        out[arm] = {"k": sum(same), "n": len(same), "low": float(ci.low), "high": float(ci.high)}
+    return out
+
+
+def _mmkv_turn(engine, msgs, tenant: str, new_png: bytes | None, **kwargs) -> dict:
     """One mmkv turn: the new screenshot uploaded (vision tower, isolated prefill), then
-    `Engine.generate` (`first_token`); its time is the upload's plus the generation's TTFT."""
+    `Engine.generate` (`first_token`, with `kwargs`); its time is the upload's plus the generation's
+    TTFT."""
     c0 = time.process_time()
     before = engine.stats()["prefill_tokens"]
     t0 = time.perf_counter()
@@ -844,10 +865,11 @@ def _mmkv_turn(engine, msgs, tenant: str, new_png: bytes | None) -> dict:
         engine.add_image(new_png, tenant=tenant)
     upload_s, upload_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     precompiled = engine.stats()["prefill_tokens"] - before
-    r, cpu_s, _ = first_token(engine, msgs, tenant=tenant)
+    r, cpu_s, _ = first_token(engine, msgs, tenant=tenant, **kwargs)
     return {"ms": (upload_s + r.ttft_s) * 1e3, "cpu_ms": (upload_cpu_s + cpu_s) * 1e3,
             "computed_tokens": r.lm_tokens_computed + precompiled, "vision_runs": r.vision_tower_runs + int(bool(new_png)),
-            "reused_tokens": r.usage.cached_tokens}
+            "reused_tokens": r.usage.cached_tokens, "next_token": int(r.first_logits.argmax()),
+            "composed_tokens": r.history.composed_tokens if r.history else 0}
 
 
 def _limit_turn(adapter, text: TextContext, new_png: bytes | None, n: int, q: int) -> dict:

@@ -18,6 +18,9 @@ from mmkv.adapters import ImageFeatures
 # measured with glibc's mallinfo2 over thousands of small tensors; tests/test_prefix_cache.py holds
 # the charge of a prefix block above what it really leaves allocated.
 TENSOR_HEAP_BYTES = 512
+# A source key a turn chunk names: the 32-character str (81 bytes), its slot in the frozenset and in
+# the KV store's sources index, with margin.
+SOURCE_BYTES = 192
 
 
 def tensor_bytes(tensors) -> int:
@@ -41,7 +44,7 @@ def chunk_cache_key(kind: str, content_hash: str, model_fingerprint: str, grid_s
 @dataclass
 class CachedChunk:
     key: str
-    kind: str  # "image" | "video" | "skill"
+    kind: str  # "image" | "video" | "skill" | "turn" (a finished message's text run: mmkv.request.compose)
     token_ids: torch.Tensor  # [Lc] long
     position_ids: torch.Tensor  # [3, Lc] positions the KV was computed at (canonical)
     keys: tuple[torch.Tensor, ...]  # per layer [kv_heads, Lc, head_dim], after RoPE at position_ids
@@ -49,6 +52,7 @@ class CachedChunk:
     features: ImageFeatures | None = None  # images, videos: merged visual embeddings (+ deepstack), one row per pad
     grid_thw: tuple[int, int, int] | None = None  # images, videos (a video group's is (1, h, w))
     pad_offset: int = 1  # index of the first pad among the chunk's tokens (its pads are contiguous)
+    sources: frozenset[str] = frozenset()  # turn chunks: every chunk their KV attended to (purged with any)
     parent = None  # chunks are never inner nodes of the prefix tree
 
     def __post_init__(self):
@@ -68,4 +72,4 @@ class CachedChunk:
     @property
     def nbytes(self) -> int:
         own = tensor_bytes((*self.keys, *self.values, self.token_ids, self.position_ids))
-        return own + (self.features.nbytes if self.features is not None else 0)
+        return own + (self.features.nbytes if self.features is not None else 0) + SOURCE_BYTES * len(self.sources)

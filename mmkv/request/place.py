@@ -33,6 +33,7 @@ from mmkv.request.edits import (
     insert_before_final_turn,
     prefill_edited,
 )
+from mmkv.request.compose import Composer, HistoryReport
 from mmkv.request.messages import erratum_line
 from mmkv.store.kv_store import PurgeWatch
 from mmkv.store.prefix_cache import ChunkSpan, block_keys
@@ -80,6 +81,7 @@ class Placed:
     plan: SplicePlan
     report: EditReport | None
     insert: Insert | None
+    history: HistoryReport | None = None  # history_policy "compose": what it composed
 
 
 #: An added token that is markup (`<|im_start|>`, `<tool_call>`, `<think>`), special or not.
@@ -117,9 +119,11 @@ class KVPlacer:
         self.recent = RecentPrompts(RECENT_PROMPTS, RECENT_KEYS, RECENT_BYTES)
         self.template_tokens = template_tokens_of(adapter.tokenizer)
         self.edit_rules = EditRules(max_tokens=settings.edit_max_tokens)
+        self.composer = Composer(store, prefix, adapter.tokenizer.convert_tokens_to_ids("<|im_start|>"),
+                                 adapter.num_layers)
 
     def prefill(self, plan: SplicePlan, tenant: str, salt: str, seam: int, policy: str, edit: EditPolicy,
-                max_new_tokens: int) -> Placed:
+                max_new_tokens: int, history: str = "exact") -> Placed:
         """Edit detection, then the edit policy, then prefix cache + splice. Returns the prefill
         (its final forward pending), the plan actually prefilled (the erratum policy rewrites the
         prompt), the edit report and what to store once the first token is out (`Placed.insert`: the
@@ -139,7 +143,7 @@ class KVPlacer:
                                 new_value=change.new_value, changed_tokens=change.new_len)
         elif edit.name != "recompute":
             report = EditReport(str(edit), False)
-        result = insert = remember = None
+        result = insert = remember = composed = None
         chain = self._continued_chain(client, recent) if change is None and approximate else None
         if chain is not None:  # a later turn of a conversation this policy edited: stay on its KV
             result, insert = self._prefill_prefix(plan, chain.salt, seam, policy)
@@ -154,7 +158,9 @@ class KVPlacer:
                 log.warning("edit policy %s failed, recomputing: %r", edit, exc)
                 result = None  # `plan` is still the client's: the exception came before any rewrite
                 report.applied, report.reason = "recompute", f"{edit} failed ({type(exc).__name__}); recomputed"
-        if result is None:
+        if result is None and history == "compose":  # the spec refuses it beside an edit policy
+            result, plan, insert, composed = self._prefill_composed(plan, salt, seam, policy)
+        elif result is None:
             result, insert = self._prefill_prefix(plan, salt, seam, policy)
             if self.settings.prefix_cache:  # the edit policies build on the prefix cache
                 rewritten = report is not None and report.applied == "erratum"
@@ -162,7 +168,7 @@ class KVPlacer:
                 remember = ((tenant, salt), RecentPrompt(client, prefilled))
         if report is not None:
             report.recomputed_tokens, report.reused_tokens = result.computed_tokens, result.reused_tokens
-        return Placed(result, plan, report, self._commit(insert, remember, watch, plan))
+        return Placed(result, plan, report, self._commit(insert, remember, watch, plan), composed)
 
     def _commit(self, insert: Insert | None, remember: tuple | None, watch: PurgeWatch,
                 plan: SplicePlan) -> Insert | None:
@@ -173,6 +179,7 @@ class KVPlacer:
         if insert is None and remember is None:
             return None
         sources = {key for key in plan.chunk_keys if key is not None}
+        sources.update(s for p in plan.placements for s in p.entry.sources)  # what composed turns saw
 
         def commit() -> None:
             if watch.touches(sources):
@@ -239,8 +246,22 @@ class KVPlacer:
         prompt-length cache, then splice; full blocks go back (those inside a spliced chunk's body
         as references to it)."""
         keys = block_keys(plan.input_ids, plan.chunk_keys, salt) if self.settings.prefix_cache else []
+        blocks = self.prefix.lookup(keys, plan.input_ids.numel()) if keys else []
+        return self._prefill_blocks(plan, blocks, keys, len(blocks), seam, policy)
+
+    def _prefill_composed(self, plan: SplicePlan, salt: str, seam: int,
+                          policy: str) -> tuple[PrefillResult, SplicePlan, Insert, HistoryReport]:
+        """History policy "compose" (mmkv.request.compose): the stored turns placed as chunks, the
+        longer prefix hit of the exact and the compose salt, then the splice; once the first token
+        is out, the blocks and the new turns are stored."""
+        comp = self.composer.compose(plan, salt, seam, self.settings.prefix_cache)
+        result, insert = self._prefill_blocks(comp.plan, comp.blocks, comp.insert_keys, comp.insert_from, seam, policy)
+        return result, comp.plan, self.composer.commit(comp, result, insert), comp.report
+
+    def _prefill_blocks(self, plan: SplicePlan, blocks: list, keys: list, have: int, seam: int,
+                        policy: str) -> tuple[PrefillResult, Insert | None]:
+        """`blocks` loaded, the splice, and the insert of the prompt's blocks `have`.. under `keys`."""
         n = plan.input_ids.numel()
-        blocks = self.prefix.lookup(keys, n) if keys else []
         cache = self.adapter.new_cache()
         start = len(blocks) * self.prefix.block
         if blocks:
@@ -252,7 +273,7 @@ class KVPlacer:
         if keys:  # stored once the first token is out (Run.first_token_out): off the TTFT path
             cache, rope = result.cache, self.adapter.rope
             spans = chunk_spans(plan, n, start, seam, rotate)
-            insert = lambda: self.prefix.insert(keys, cache, plan.positions, len(blocks), n, spans, rope)  # noqa: E731
+            insert = lambda: self.prefix.insert(keys, cache, plan.positions, have, n, spans, rope)  # noqa: E731
         return result, insert
 
     def _erratum_plan(self, plan: SplicePlan, client: TokenView, change: FieldChange | None,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmkv.errors import InvalidRequestError
+from mmkv.request.compose import check_history_policy
 from mmkv.request.edits import EditPolicy, parse_edit_policy
 from mmkv.request.grammar import Grammar, GrammarCompiler, parse_response_format
 from mmkv.request.plan import check_policy, check_seam_tokens, check_stops
@@ -25,6 +26,7 @@ class RequestSpec:
     seam: int  # seam tokens recomputed at the start of each spliced chunk
     policy: str  # rope policy: where a chunk's keys are turned to
     edit: EditPolicy
+    history: str  # "exact", or "compose": earlier turns' KV spliced where they moved (mmkv.request.compose)
     tenant: str
     fidelity: bool  # also run the full recompute and report the first logits' gap
     tools: ToolSpec | None
@@ -44,7 +46,8 @@ def build_spec(messages, *, vocab_size: int, default_seam: int, default_policy: 
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                logit_bias: dict[int, float] | None = None, logprobs: bool = False, top_logprobs: int = 0,
                on_logprobs=None, tools: list[dict] | None = None,
-               tool_choice: str | dict | None = None, response_format: dict | None = None) -> RequestSpec:
+               tool_choice: str | dict | None = None, response_format: dict | None = None,
+               history_policy: str | None = None) -> RequestSpec:
     """`Engine.start`'s keyword arguments checked (each bad value an InvalidRequestError naming
     its parameter) and gathered; the engine's own defaults fill what the request leaves out."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -55,6 +58,10 @@ def build_spec(messages, *, vocab_size: int, default_seam: int, default_policy: 
     if not isinstance(tenant, str):
         raise InvalidRequestError("tenant must be a string", param="tenant")
     tools = tool_spec(tools, tool_choice)
+    edit, history = parse_edit_policy(edit_policy), check_history_policy(history_policy)
+    if history == "compose" and (not reuse or edit.name != "recompute"):
+        raise InvalidRequestError("history_policy compose needs reuse and no edit_policy: it places cached turns "
+                                  "itself", param="history_policy")
     return RequestSpec(
         messages=messages, max_new_tokens=max_new_tokens,
         sampling=SamplingParams.build(
@@ -63,7 +70,7 @@ def build_spec(messages, *, vocab_size: int, default_seam: int, default_policy: 
             top_logprobs=top_logprobs),
         stops=check_stops(stop), reuse=reuse,
         seam=check_seam_tokens(default_seam if seam_tokens is None else seam_tokens),
-        policy=check_policy(rope_policy or default_policy), edit=parse_edit_policy(edit_policy), tenant=tenant,
+        policy=check_policy(rope_policy or default_policy), edit=edit, history=history, tenant=tenant,
         fidelity=fidelity, tools=tools, grammar=grammars.for_request(parse_response_format(response_format), tools),
         on_text=on_text, should_stop=should_stop,
         on_logprobs=on_logprobs)
