@@ -35,10 +35,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-from transformers import DynamicCache
-
 from mmkv.errors import MMKVError, fail_future
+from mmkv.request.batch import DecodeBatch
 
 log = logging.getLogger("mmkv.request.scheduler")
 
@@ -49,75 +47,6 @@ class SchedulerStoppedError(MMKVError):
     http_status = 503
     error_type = "server_error"
     code = "shutting_down"
-
-
-def _left_pad(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[B, H, K, D] -> [B, H, n + K, D] with n zero slots in front."""
-    if n == 0:
-        return x
-    return torch.cat((x.new_zeros(*x.shape[:2], n, x.shape[3]), x), dim=2)
-
-
-class DecodeBatch:
-    """The running requests' KV side by side in one cache: per layer [B, kv_heads, K, head_dim],
-    row b left-padded by `pad[b]` slots that its mask hides. Joining copies the batch once
-    (to the longer length); leaving drops the row and the padding every row shares."""
-
-    def __init__(self, adapter):
-        self.adapter = adapter
-        self.cache: DynamicCache | None = None
-        self.pad: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self.pad)
-
-    @property
-    def length(self) -> int:
-        return 0 if self.cache is None else self.cache.layers[0].keys.shape[-2]
-
-    def add(self, cache: DynamicCache) -> None:
-        """Append a request's prefilled cache (batch 1, its own length) as the last row. All or
-        nothing: every layer's new tensors are built before any is swapped in, so a failure (an
-        out-of-memory error on a GPU) leaves the batch as it was."""
-        rows = cache.layers[: self.adapter.num_layers]
-        n = rows[0].keys.shape[-2]
-        if self.cache is None:
-            fresh = self.adapter.new_cache()
-            for i, layer in enumerate(rows):
-                fresh.update(layer.keys.clone(), layer.values.clone(), i)
-            self.cache, self.pad = fresh, [0]
-            return
-        k = self.length
-        m = max(k, n)
-        joined = [(torch.cat((_left_pad(mine.keys, m - k), _left_pad(row.keys, m - n)), dim=0),
-                   torch.cat((_left_pad(mine.values, m - k), _left_pad(row.values, m - n)), dim=0))
-                  for mine, row in zip(self.cache.layers, rows)]
-        self._swap(joined, [p + m - k for p in self.pad] + [m - n])
-
-    def remove(self, rows: set[int]) -> None:
-        """Drop `rows` and the padding every remaining row shares; all or nothing, as `add`."""
-        keep = [i for i in range(len(self.pad)) if i not in rows]
-        if not keep:
-            self.cache, self.pad = None, []
-            return
-        trim = min(self.pad[i] for i in keep)
-        index = torch.tensor(keep, device=self.cache.layers[0].keys.device)
-        kept = [(layer.keys.index_select(0, index)[:, :, trim:], layer.values.index_select(0, index)[:, :, trim:])
-                for layer in self.cache.layers]
-        self._swap(kept, [self.pad[i] - trim for i in keep])
-
-    def _swap(self, layers: list[tuple[torch.Tensor, torch.Tensor]], pad: list[int]) -> None:
-        for layer, (keys, values) in zip(self.cache.layers, layers):
-            layer.keys, layer.values = keys, values
-        self.pad = pad
-
-    def step(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """Run token b at position b for every row; logits [B, V]."""
-        slots = torch.arange(self.length + 1)
-        visible = slots[None, :] >= torch.tensor(self.pad)[:, None]
-        mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
-        return self.adapter.forward_decode(torch.tensor(tokens), torch.tensor(positions), self.cache,
-                                           mask[:, None, None, :])
 
 
 @dataclass(eq=False)
@@ -316,7 +245,7 @@ class Scheduler:
         """The prefilled request's KV becomes a row of the decode batch; if that fails (out of
         memory), the request alone fails and the batch is as it was."""
         if self.batch is None:
-            self.batch = DecodeBatch(self.engine.adapter)
+            self.batch = DecodeBatch(self.engine.adapter, max_rows=self.max_batch)
         try:
             with self.engine._lock:
                 self.batch.add(req.run.cache)
@@ -353,13 +282,13 @@ class Scheduler:
         if finished:
             try:
                 with self.engine._lock:
-                    self.batch.remove(finished)  # all or nothing, as add
+                    order = self.batch.remove(finished)  # the rows' new order
             except BaseException as exc:  # noqa: BLE001 - the batch cannot shrink: its rows cannot go on
                 log.exception("finished requests could not leave the decode batch")
                 self._running = [r for i, r in enumerate(self._running) if i not in finished]
                 self._fail_batch(exc)
                 return
-            self._running = [r for i, r in enumerate(self._running) if i not in finished]
+            self._running = [self._running[i] for i in order]
 
     def _fail_batch(self, exc: BaseException) -> None:
         """The batch is unusable (a failed step, a failed shrink): fail the rows it holds and start

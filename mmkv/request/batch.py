@@ -1,0 +1,186 @@
+"""`DecodeBatch`: the running requests' KV side by side, one batched decode step at a time.
+
+Per layer the batch keeps key and value buffers [row capacity, kv_heads, slot capacity, head_dim];
+the live rows are the first `len(batch)` rows and the live slots one window [start, end) that every
+row shares, row b left-padded by `pad[b]` slots that its mask hides. A decode step writes each row's
+new key and value into slot `end` in place (the attention reads views of the window), so a step
+copies no cache; a join writes the new row into a spare row, a leave moves the last row into the
+hole, and the padding every remaining row shares is dropped by moving `start`: none of them copies
+the other rows. Only growth copies the live window, geometrically, so its cost per token stays
+constant.
+
+Memory: the live window, plus `spare_slots(length)` slots each side (at least `MIN_SPARE_SLOTS`,
+1/16 of the length above that) and spare rows up to the next power of two (at most `max_rows`);
+the rows shrink by half while three quarters of them are idle, and the buffers are freed when the
+last row leaves. Spare slots hold zeros or an earlier row's finite KV, always masked: a masked slot
+contributes exactly nothing, so each row's logits are those of its own tokens alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+MIN_SPARE_SLOTS = 32
+
+
+def spare_slots(length: int) -> int:
+    """Room kept beyond a window of `length` slots, on each side."""
+    return max(MIN_SPARE_SLOTS, length // 16)
+
+
+class _WindowLayer(DynamicLayer):
+    """One layer of the batch for the model's forward: `update` writes the new slots in place at
+    the window's end and returns views of the rows' window plus those slots."""
+
+    def __init__(self, batch: DecodeBatch, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.batch, self.key_buffer, self.value_buffer = batch, keys, values
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Point `keys` / `values` at the live rows' window (what `get_seq_length` reads)."""
+        b = self.batch
+        self.keys = self.key_buffer[: len(b), :, b.start:b.end]
+        self.values = self.value_buffer[: len(b), :, b.start:b.end]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        b, n = self.batch, key_states.shape[-2]
+        if b.end + n > self.key_buffer.shape[2] or key_states.shape[0] != len(b):
+            raise RuntimeError("decode batch step outside the batch's buffers")  # DecodeBatch.step grows first
+        self.key_buffer[: len(b), :, b.end:b.end + n] = key_states
+        self.value_buffer[: len(b), :, b.end:b.end + n] = value_states
+        return (self.key_buffer[: len(b), :, b.start:b.end + n], self.value_buffer[: len(b), :, b.start:b.end + n])
+
+
+class DecodeBatch:
+    """The running requests' KV in one cache (module docstring). `add` a prefilled request's cache
+    as the last row, `step` every row one token, `remove` finished rows (it returns the rows' new
+    order). Every change is all or nothing: new buffers are built before any is swapped in, so a
+    failure (out of memory on a GPU) leaves the batch as it was."""
+
+    def __init__(self, adapter, max_rows: int | None = None):
+        self.adapter, self.max_rows = adapter, max_rows
+        self.layers: list[_WindowLayer] = []
+        self.cache: Cache | None = None
+        self.pad: list[int] = []
+        self.start = self.end = 0
+
+    def __len__(self) -> int:
+        return len(self.pad)
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def row_capacity(self) -> int:
+        return self.layers[0].key_buffer.shape[0] if self.layers else 0
+
+    @property
+    def slot_capacity(self) -> int:
+        return self.layers[0].key_buffer.shape[2] if self.layers else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffers hold (live and spare)."""
+        return sum(t.nbytes for layer in self.layers for t in (layer.key_buffer, layer.value_buffer))
+
+    def add(self, cache) -> None:
+        """Append a request's prefilled cache (batch 1, its own length n) as the last row: into a
+        spare row, right-aligned at the window's end, its padding zeroed. A longer row widens the
+        window to the left (the other rows' new slots zeroed and masked)."""
+        rows = [(layer.keys, layer.values) for layer in cache.layers[: self.adapter.num_layers]]
+        n = rows[0][0].shape[-2]
+        if not self.layers:
+            self._reallocate(1, n, rows[0][0])
+        elif len(self) == self.row_capacity or n > self.end:
+            self._reallocate(self._grown_rows(len(self) + 1), max(n, self.length), rows[0][0])
+        widen = max(0, n - self.length)
+        b, lo = len(self), self.end - n
+        for layer, (keys, values) in zip(self.layers, rows):
+            for buffer, new in ((layer.key_buffer, keys), (layer.value_buffer, values)):
+                buffer[:b, :, self.start - widen:self.start] = 0
+                buffer[b, :, self.start - widen:lo] = 0
+                buffer[b, :, lo:self.end] = new[0]
+        self.start -= widen
+        self.pad = [p + widen for p in self.pad] + [lo - self.start]
+        self._refresh()
+
+    def remove(self, rows: set[int]) -> list[int]:
+        """Drop `rows`: the last live rows move into their places (or, when three quarters of the
+        row capacity would be idle, the kept rows go into buffers half as large), then the padding
+        every remaining row shares goes. Returns the old index of each row in its new order."""
+        size = len(self) - len(rows)
+        if size == 0:
+            self.layers, self.cache, self.pad, self.start, self.end = [], None, [], 0, 0
+            return []
+        holes = sorted(i for i in rows if i < size)
+        movers = [i for i in range(size, len(self)) if i not in rows]
+        order = list(range(len(self)))
+        for hole, mover in zip(holes, movers):
+            order[hole] = mover
+        order = order[:size]
+        capacity = self.row_capacity
+        while size <= capacity // 4:
+            capacity //= 2
+        if capacity < self.row_capacity:
+            self._reallocate(capacity, self.length, self.layers[0].key_buffer, order)
+        else:
+            for hole, mover in zip(holes, movers):
+                for layer in self.layers:
+                    for buffer in (layer.key_buffer, layer.value_buffer):
+                        buffer[hole, :, self.start:self.end] = buffer[mover, :, self.start:self.end]
+        pad = [self.pad[i] for i in order]
+        trim = min(pad)
+        self.start += trim
+        self.pad = [p - trim for p in pad]
+        self._refresh()
+        return order
+
+    def step(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Run token b at position b for every row; logits [B, V]. Each row's new key and value go
+        into slot `end` in place; the window grows (a copy, geometrically) only when the buffers
+        have no slot left."""
+        if self.end == self.slot_capacity:
+            self._reallocate(self.row_capacity, self.length + 1, self.layers[0].key_buffer)
+        slots = torch.arange(self.length + 1)
+        visible = slots[None, :] >= torch.tensor(self.pad)[:, None]
+        mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
+        logits = self.adapter.forward_decode(torch.tensor(tokens), torch.tensor(positions), self.cache,
+                                             mask[:, None, None, :])
+        self.end += 1
+        self._refresh()
+        return logits
+
+    def _grown_rows(self, need: int) -> int:
+        cap = 1 << (need - 1).bit_length()
+        return min(cap, self.max_rows) if self.max_rows is not None else cap
+
+    def _reallocate(self, row_capacity: int, length: int, like: torch.Tensor, rows: list[int] | None = None) -> None:
+        """New zeroed buffers of `row_capacity` rows with room for a window of `length` slots and
+        `spare_slots(length)` each side; the live window of `rows` (old indices in their new order;
+        default all) is copied to the right end of the new window (a window wider than the live
+        one leaves room in front for a longer row)."""
+        spare = spare_slots(length)
+        _, heads, _, dim = like.shape
+        shape = (row_capacity, heads, spare + length + spare, dim)
+        end = spare + length
+        fresh = []
+        for layer in self.layers or [None] * self.adapter.num_layers:
+            keys, values = (torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(2))
+            if layer is not None:
+                kept = slice(None) if rows is None else torch.tensor(rows, device=like.device)
+                count = len(self) if rows is None else len(rows)
+                keys[:count, :, end - self.length:end] = layer.keys[kept]
+                values[:count, :, end - self.length:end] = layer.values[kept]
+            fresh.append((keys, values))
+        shift = end - self.end
+        self.start, self.end = self.start + shift, end
+        self.layers = [_WindowLayer(self, keys, values) for keys, values in fresh]
+        self.cache = Cache(layers=self.layers)
+
+    def _refresh(self) -> None:
+        for layer in self.layers:
+            layer.refresh()
