@@ -11,8 +11,9 @@ constant.
 
 Memory: the live window, plus `spare_slots(length)` slots each side (at least `MIN_SPARE_SLOTS`,
 1/16 of the length above that) and spare rows up to the next power of two (at most `max_rows`);
-the rows shrink by half while three quarters of them are idle, and the buffers are freed when the
-last row leaves. Spare slots hold zeros or an earlier row's finite KV, always masked: a masked slot
+the rows shrink by half while three quarters of them are idle, the slots to fit when more than
+half of them are idle (after the longest row left), and the buffers are freed when the last row
+leaves: at most 4x the live rows and twice their window with its spare slots. Spare slots hold zeros or an earlier row's finite KV, always masked: a masked slot
 contributes exactly nothing, so each row's logits are those of its own tokens alone.
 """
 
@@ -122,19 +123,20 @@ class DecodeBatch:
         for hole, mover in zip(holes, movers):
             order[hole] = mover
         order = order[:size]
+        pad = [self.pad[i] for i in order]
+        trim = min(pad)
         capacity = self.row_capacity
         while size <= capacity // 4:
             capacity //= 2
-        if capacity < self.row_capacity:
-            self._reallocate(capacity, self.length, self.layers[0].key_buffer, order)
+        narrow = self.slot_capacity > 2 * self._slots_for(self.length - trim)
+        if capacity < self.row_capacity or narrow:
+            self._reallocate(capacity, self.length - trim, self.layers[0].key_buffer, order, trim)
         else:
             for hole, mover in zip(holes, movers):
                 for layer in self.layers:
                     for buffer in (layer.key_buffer, layer.value_buffer):
                         buffer[hole, :, self.start:self.end] = buffer[mover, :, self.start:self.end]
-        pad = [self.pad[i] for i in order]
-        trim = min(pad)
-        self.start += trim
+            self.start += trim
         self.pad = [p - trim for p in pad]
         self._refresh()
         return order
@@ -158,26 +160,30 @@ class DecodeBatch:
         cap = 1 << (need - 1).bit_length()
         return min(cap, self.max_rows) if self.max_rows is not None else cap
 
-    def _reallocate(self, row_capacity: int, length: int, like: torch.Tensor, rows: list[int] | None = None) -> None:
+    @staticmethod
+    def _slots_for(length: int) -> int:
+        return spare_slots(length) + length + spare_slots(length)
+
+    def _reallocate(self, row_capacity: int, length: int, like: torch.Tensor, rows: list[int] | None = None,
+                    trim: int = 0) -> None:
         """New zeroed buffers of `row_capacity` rows with room for a window of `length` slots and
-        `spare_slots(length)` each side; the live window of `rows` (old indices in their new order;
-        default all) is copied to the right end of the new window (a window wider than the live
-        one leaves room in front for a longer row)."""
-        spare = spare_slots(length)
+        `spare_slots(length)` each side. The live window of `rows` (old indices in their new order;
+        default all) less its first `trim` slots is copied to the right end of the new window (a
+        window wider than the copied one leaves room in front for a longer row)."""
+        spare, kept = spare_slots(length), self.length - trim
         _, heads, _, dim = like.shape
-        shape = (row_capacity, heads, spare + length + spare, dim)
+        shape = (row_capacity, heads, self._slots_for(length), dim)
         end = spare + length
         fresh = []
         for layer in self.layers or [None] * self.adapter.num_layers:
             keys, values = (torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(2))
             if layer is not None:
-                kept = slice(None) if rows is None else torch.tensor(rows, device=like.device)
+                pick = slice(0, len(self)) if rows is None else torch.tensor(rows, device=like.device)
                 count = len(self) if rows is None else len(rows)
-                keys[:count, :, end - self.length:end] = layer.keys[kept]
-                values[:count, :, end - self.length:end] = layer.values[kept]
+                keys[:count, :, end - kept:end] = layer.key_buffer[pick, :, self.start + trim:self.end]
+                values[:count, :, end - kept:end] = layer.value_buffer[pick, :, self.start + trim:self.end]
             fresh.append((keys, values))
-        shift = end - self.end
-        self.start, self.end = self.start + shift, end
+        self.start, self.end = end - kept, end
         self.layers = [_WindowLayer(self, keys, values) for keys, values in fresh]
         self.cache = Cache(layers=self.layers)
 
