@@ -185,3 +185,15 @@ def test_the_mix_through_the_scheduler_answers_as_alone(engine):
                 assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]
     assert len(got[2].token_ids) == 14  # the end banned: it ran to its length
     assert scheduler.decoded_tokens > scheduler.decode_steps  # rows really shared steps
+
+
+@pytest.mark.parametrize("mode", ["prefill", "shadow"])
+def test_bench_mix_outside_the_clients_table_is_refused(mode):
+    """`bench-concurrency --mix` changes the clients table; with a mode without it, it is refused
+    (exit 2, naming --mix), never ignored."""
+    from typer.testing import CliRunner
+
+    from mmkv.cli import app
+
+    result = CliRunner().invoke(app, ["bench-concurrency", "--config", "tiny", "--mode", mode, "--mix"])
+    assert result.exit_code == 2 and "--mix changes the clients table" in " ".join(result.output.split()), result.output
