@@ -13,8 +13,9 @@ Memory: the live window, plus `spare_slots(length)` slots each side (at least `M
 1/16 of the length above that) and spare rows up to the next power of two (at most `max_rows`);
 the rows shrink by half while three quarters of them are idle, the slots to fit when more than
 half of them are idle (after the longest row left), and the buffers are freed when the last row
-leaves: at most 4x the live rows and twice their window with its spare slots. Spare slots hold zeros or an earlier row's finite KV, always masked: a masked slot
-contributes exactly nothing, so each row's logits are those of its own tokens alone.
+leaves: at most 4x the live rows and twice their window with its spare slots. Spare slots hold
+zeros or an earlier row's finite KV, always masked: a masked slot contributes exactly nothing, so
+each row's logits are those of its own tokens alone.
 """
 
 from __future__ import annotations
