@@ -65,10 +65,10 @@ def test_eight_rows_on_one_policy_hold_its_kv_once(engine):
     engine.generate(_ask("warm up ."), max_new_tokens=1)  # the policy's blocks are stored
     runs = _started(engine, [_ask(f"question {i} : what is rule {i} ?") for i in range(8)], steps=4)
     shared, whole = _batches(engine, runs)
-    one_row = whole.nbytes() / len(runs)
+    one_row = whole.nbytes / len(runs)
     assert shared.prefix_length >= 0.8 * runs[0].cache.layers[0].keys.shape[-2]
-    assert shared.nbytes() <= 1.5 * one_row, (shared.nbytes(), one_row)
-    assert whole.nbytes() >= 7 * one_row
+    assert shared.nbytes <= 1.5 * one_row, (shared.nbytes, one_row)
+    assert whole.nbytes >= 7 * one_row
     assert _decode_side_by_side(runs, shared, whole, steps=4) < TOL
 
 

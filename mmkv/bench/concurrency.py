@@ -16,6 +16,15 @@ stream's largest gap between two tokens while the long prompt is prefilled (and 
 and the long request's TTFT, with the ratio of chunked to whole; and a short request's TTFT
 alone and when it arrives just behind the long prompt (prefill fairness).
 
+`--mix` (with `--mode clients`): real traffic instead of equal text requests. Each client sends
+`MIX_REQUESTS` requests back to back, each about a picture of `--image-tokens` image tokens (two
+pictures, uploaded once, shared by the clients: a cached prefix of system prompt and image, then
+the client's own question), `temperature` 1.0 with a seed, completion lengths from 2 to 24 tokens
+(`MIX_LENGTHS`, each client starting at its own place in the cycle, so every client asks for the
+same tokens in another order), end tokens banned on every second request and other `logit_bias`
+entries or none on the rest (so some end early, by their own seeded draw). The table adds each
+batched cell's ratio to the serial arm's.
+
 `--mode shadow`: the fidelity monitor's cost: 4 clients streaming about one uploaded image (spliced
 at a moved position, the fast path it shadows), tokens/s with `--shadow-rate` 0, 0.01 and 0.1.
 """
@@ -87,6 +96,24 @@ def _run_clients(url: str, bodies: list[dict]) -> dict:
     return {"wall": time.perf_counter() - t0, "results": out}
 
 
+def _run_sequences(url: str, sequences: list[list[dict]]) -> dict:
+    """In the client process: one thread per client sending its bodies one after another; the wall
+    time and every request's result."""
+    out: list = [None] * sum(len(seq) for seq in sequences)
+    starts = [sum(len(seq) for seq in sequences[:c]) for c in range(len(sequences))]
+
+    def client(c: int) -> None:
+        for j, body in enumerate(sequences[c]):
+            _stream(url, body, out, starts[c] + j)
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(len(sequences))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"wall": time.perf_counter() - t0, "results": out}
+
+
 def _token_times(url: str, body: dict, out: dict, started: threading.Event, after: int) -> None:
     """One streamed chat: perf_counter time of each content event in out["times"]; `started` is set
     once `after` of them arrived."""
@@ -134,7 +161,7 @@ def _run_stall(url: str, bodies: list[dict]) -> dict:
             "short_behind": short_behind["times"][0] - short_behind["sent"]}
 
 
-def _spawn(url: str, bodies: list[dict], run: str = "_run_clients") -> subprocess.Popen:
+def _spawn(url: str, bodies: list, run: str = "_run_clients") -> subprocess.Popen:
     code = (f"import json, sys; from mmkv.bench.concurrency import {run}; "
             f"url, bodies = json.load(sys.stdin); print(json.dumps({run}(url, bodies)))")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -194,20 +221,86 @@ def _clients_table(engine, tokens: int, rounds: int) -> list[str]:
                 short.setdefault((arm, "busy"), []).append(busy)
     finally:
         _stop(servers)
-    lines = [f"{'clients':>7} {'arm':>8} {'tokens/s':>9} {'vs 1 client':>12} {'p50 TTFT ms':>12} {'p90 TTFT ms':>12}"]
-    for n in (1, 4, 8):
-        for arm in servers:
-            rates = [r for r, _ in cells[(arm, n)]]
-            ttfts = sorted(t for _, ts in cells[(arm, n)] for t in ts)
-            base = statistics.median(r for r, _ in cells[(arm, 1)])
-            p90 = ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))]
-            lines.append(f"{n:>7} {arm:>8} {statistics.median(rates):>9.1f} {statistics.median(rates) / base:>11.2f}x "
-                         f"{statistics.median(ttfts) * 1e3:>12.0f} {p90 * 1e3:>12.0f}")
+    lines = _rate_lines(cells, list(servers))
     for arm in servers:
         alone, busy = statistics.median(short[(arm, "alone")]), statistics.median(short[(arm, "busy")])
         lines.append(f"short request TTFT, {arm}: alone {alone * 1e3:.0f} ms, with 4 long decodes running "
                      f"{busy * 1e3:.0f} ms ({busy / alone:.2f}x)")
     return lines
+
+
+def _rate_lines(cells: dict[tuple[str, int], list], arms: list[str], vs_serial: bool = False) -> list[str]:
+    """Per client count and arm: median aggregate tokens/s over the rounds, its ratio to the arm's
+    one client (and, with `vs_serial`, to the serial arm at the same count), p50 / p90 TTFT over
+    every request of every round."""
+    head = f"{'clients':>7} {'arm':>8} {'tokens/s':>9} {'vs 1 client':>12}" + (f" {'vs serial':>10}" if vs_serial else "")
+    lines = [head + f" {'p50 TTFT ms':>12} {'p90 TTFT ms':>12}"]
+    for n in (1, 4, 8):
+        for arm in arms:
+            rate = statistics.median(r for r, _ in cells[(arm, n)])
+            ttfts = sorted(t for _, ts in cells[(arm, n)] for t in ts)
+            base = statistics.median(r for r, _ in cells[(arm, 1)])
+            p90 = ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))]
+            line = f"{n:>7} {arm:>8} {rate:>9.1f} {rate / base:>11.2f}x"
+            if vs_serial:
+                line += f" {rate / statistics.median(r for r, _ in cells[('serial', n)]):>9.2f}x"
+            lines.append(line + f" {statistics.median(ttfts) * 1e3:>12.0f} {p90 * 1e3:>12.0f}")
+    return lines
+
+
+MIX_REQUESTS = 4  # per client, back to back
+MIX_LENGTHS = (24, 2, 16, 8)  # completion tokens; client c starts at index c % 4
+
+
+def _upload(url: str, png: bytes) -> str:
+    import httpx
+
+    return httpx.post(f"{url}/v1/files", data={"purpose": "vision"}, timeout=300,
+                      files={"file": ("bench.png", png, "image/png")}).json()["id"]
+
+
+def _mix_body(engine, file_id: str, client: int, j: int, tag: str) -> dict:
+    """Client `client`'s request `j`: about the uploaded picture `file_id` after a shared system
+    prompt, its own question (with `tag`: no prefix-cache hit past the image across rounds and
+    arms), sampled at temperature 1.0 with its own seed, MIX_LENGTHS[(client + j) % 4] tokens at
+    most; end tokens banned on even j, two other tokens biased on j % 4 == 1, no bias on j % 4 == 3."""
+    body = _body(engine, MIX_LENGTHS[(client + j) % len(MIX_LENGTHS)], client)
+    body.update(temperature=1.0, seed=1000 * client + j)
+    if j % 4 == 1:
+        body["logit_bias"] = {"5": 4.0, "11": -3.0}
+    elif j % 4 == 3:
+        del body["logit_bias"]
+    body["messages"] = [
+        {"role": "system", "content": "you are a careful assistant . answer about the image ."},
+        {"role": "user", "content": [{"type": "image_file", "image_file": {"file_id": file_id}},
+                                     {"type": "text", "text": f"{tag} client {client} question {j} : what is in it ?"}]}]
+    return body
+
+
+def _mix_table(engine, image_tokens: int, rounds: int) -> list[str]:
+    """`--mix`: N clients (1, 4, 8), each MIX_REQUESTS requests back to back, batched vs serial,
+    arms alternating within each round."""
+    from mmkv.bench.run import _picture
+
+    servers = {arm: _server(engine, batch) for arm, batch in (("batched", 8), ("serial", 1))}
+    pictures = [_picture(engine, image_tokens, variant=v) for v in range(2)]
+    cells: dict[tuple[str, int], list] = {}
+    try:
+        files = {arm: [_upload(url, png) for png in pictures] for arm, (_, _, url) in servers.items()}
+        for arm, (_, _, url) in servers.items():  # warm-up: each picture precompiled, its prefix cached
+            _collect(_spawn(url, [[_mix_body(engine, f, c, 0, f"warm {arm}") for c, f in enumerate(files[arm])]],
+                            "_run_sequences"))
+        for r in range(rounds):
+            for n in (1, 4, 8):
+                for arm, (_, _, url) in servers.items():
+                    sequences = [[_mix_body(engine, files[arm][c % 2], c, j, f"round {r} {arm}")
+                                  for j in range(MIX_REQUESTS)] for c in range(n)]
+                    got = _collect(_spawn(url, sequences, "_run_sequences"))
+                    rate = sum(g[2] for g in got["results"]) / got["wall"]
+                    cells.setdefault((arm, n), []).append((rate, [g[0] for g in got["results"]]))
+    finally:
+        _stop(servers)
+    return _rate_lines(cells, list(servers), vs_serial=True)
 
 
 def _prefill_table(engine, prompt_tokens: int, chunk: int, rounds: int) -> list[str]:
@@ -306,6 +399,9 @@ def bench_concurrency_command(
     prompt_tokens: Annotated[int, typer.Option(help="--mode prefill: the long prompt's tokens; "
                                                           "--mode shared: the policy's.")] = 2048,
     prefill_chunk: Annotated[int, typer.Option(min=1, help="--mode prefill: the chunked arm's chunk.")] = 512,
+    mix: Annotated[bool, typer.Option("--mix", help="--mode clients: each client sends requests about an image, "
+                                                     "sampled with a seed, of mixed lengths and logit_bias.")] = False,
+    image_tokens: Annotated[int, typer.Option(min=4, help="--mix: image tokens per picture (a square).")] = 1024,
 ) -> None:
     """Aggregate tokens/s and TTFT for 1, 4 and 8 clients, batched vs serial, and a decoding
     stream's stall behind a long prefill, whole vs chunked; each in one run."""
@@ -315,10 +411,16 @@ def bench_concurrency_command(
 
     if mode not in ("clients", "prefill", "shadow", "shared", "all"):
         raise typer.BadParameter("expected clients, prefill, shadow, shared or all", param_hint="--mode")
+    if mix and mode not in ("clients", "all"):
+        raise typer.BadParameter("--mix changes the clients table: --mode clients or all", param_hint="--mix")
     torch.set_num_threads(threads)
-    engine = build_engine(config, model_dir, "cpu", None, 64)
+    engine = build_engine(config, model_dir, "cpu", None, max(64, image_tokens) if mix else 64)
     tables = []
-    if mode in ("clients", "all"):
+    if mode in ("clients", "all") and mix:
+        tables.append((f"{MIX_REQUESTS} requests per client back to back, each about a {image_tokens}-token image, "
+                       f"temperature 1.0 with a seed, {min(MIX_LENGTHS)}-{max(MIX_LENGTHS)} tokens, logit_bias on 3 of 4",
+                       _mix_table(engine, image_tokens, rounds)))
+    elif mode in ("clients", "all"):
         tables.append((f"{tokens} tokens per request", _clients_table(engine, tokens, rounds)))
     if mode in ("prefill", "all"):
         tables.append((f"one stream decoding, a {prompt_tokens}-token prompt arrives",

@@ -35,12 +35,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
-
 from mmkv.errors import MMKVError, fail_future
-from mmkv.request.shared_kv import SharedPrefixLayer, common_prefix_length
+from mmkv.request.batch import DecodeBatch
 
 log = logging.getLogger("mmkv.request.scheduler")
 
@@ -51,158 +47,6 @@ class SchedulerStoppedError(MMKVError):
     http_status = 503
     error_type = "server_error"
     code = "shutting_down"
-
-
-def _left_pad(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[B, H, K, D] -> [B, H, n + K, D] with n zero slots in front."""
-    if n == 0:
-        return x
-    return torch.cat((x.new_zeros(*x.shape[:2], n, x.shape[3]), x), dim=2)
-
-
-class DecodeBatch:
-    """The running requests' KV in one cache. Per layer, the leading slots every row holds
-    bit-identical are kept once (`SharedPrefixLayer.prefix_*`, `prefix_length` slots: one copy
-    of a policy eight requests share, not eight); then each row's own slots [B, kv_heads, K,
-    head_dim], row b left-padded by `pad[b]` slots that its mask hides. Joining copies the rows
-    once (to the longer length); leaving drops the row and the padding every row shares.
-    `share=False` keeps every row whole (the comparison arm of the benchmark)."""
-
-    def __init__(self, adapter, share: bool = True):
-        self.adapter = adapter
-        self.share = share
-        self.cache: DynamicCache | None = None
-        self.pad: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self.pad)
-
-    @property
-    def prefix_length(self) -> int:
-        return 0 if self.cache is None else getattr(self.cache.layers[0], "prefix_length", 0)
-
-    @property
-    def length(self) -> int:
-        """Slots per row: the shared prefix and the row's own (padded) slots."""
-        return 0 if self.cache is None else self.prefix_length + self.cache.layers[0].keys.shape[-2]
-
-    def nbytes(self) -> int:
-        """The KV this batch holds, the shared prefix counted once."""
-        if self.cache is None:
-            return 0
-        held = [t for x in self.cache.layers for t in (x.keys, x.values, getattr(x, "prefix_keys", None),
-                                                       getattr(x, "prefix_values", None))]
-        return sum(t.nbytes for t in held if t is not None)
-
-    def add(self, cache: DynamicCache) -> None:
-        """Append a request's prefilled cache (batch 1, its own length) as the last row; the
-        leading slots it holds bit-identical to every other row go to (or stay in) the shared
-        prefix. All or nothing: every layer's new tensors are built before any is swapped in, so
-        a failure (an out-of-memory error on a GPU) leaves the batch as it was."""
-        row = [(layer.keys, layer.values) for layer in cache.layers[: self.adapter.num_layers]]
-        if self.cache is None:
-            self.cache, self.pad = self._new_cache([(k.clone(), v.clone()) for k, v in row]), [0]
-            return
-        shared = self._shareable(row)
-        if self.share:
-            prefix, own, pad = self._reshare(shared)
-        else:
-            prefix, own, pad = None, [(x.keys, x.values) for x in self.cache.layers], list(self.pad)
-        n = row[0][0].shape[-2] - shared
-        k = own[0][0].shape[-2]
-        m = max(k, n)
-        joined = [(torch.cat((_left_pad(keys, m - k), _left_pad(rk[:, :, shared:], m - n)), dim=0),
-                   torch.cat((_left_pad(values, m - k), _left_pad(rv[:, :, shared:], m - n)), dim=0))
-                  for (keys, values), (rk, rv) in zip(own, row)]
-        self._swap(joined, [p + m - k for p in pad] + [m - n], prefix)
-
-    def _shareable(self, row: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-        """How many leading slots the joining row can share: those bit-identical to the first
-        row's (shared prefix, then its own slots); never more than every row already shares."""
-        if not self.share:
-            return 0
-        p = self.prefix_length
-        if p == 0 and len(self) > 1:
-            return 0  # the rows already share nothing
-        layers = self.cache.layers
-        if p:
-            same = common_prefix_length([(x.prefix_keys, x.prefix_values) for x in layers], row)
-            if same < p or len(self) > 1:
-                return min(same, p)
-        first = self.pad[0]
-        return p + common_prefix_length([(x.keys[:1, :, first:], x.values[:1, :, first:]) for x in layers],
-                                        [(k[:, :, p:], v[:, :, p:]) for k, v in row])
-
-    def _reshare(self, shared: int):
-        """The prefix, the rows' own slots and their padding with `shared` prefix slots: a longer
-        prefix takes the single row's leading slots; a shorter one gives each row the slots it
-        no longer shares (after its padding). Built aside; nothing is swapped in here."""
-        layers, p = self.cache.layers, self.prefix_length
-        prefix = [(x.prefix_keys, x.prefix_values) for x in layers]
-        own = [(x.keys, x.values) for x in layers]
-        if shared > p:  # one row: its first slots become the prefix
-            first, take = self.pad[0], shared - p
-            prefix = [(_cat_prefix(pk, k[:, :, first:first + take]), _cat_prefix(pv, v[:, :, first:first + take]))
-                      for (pk, pv), (k, v) in zip(prefix, own)]
-            return prefix, [(k[:, :, first + take:], v[:, :, first + take:]) for k, v in own], [0]
-        if shared < p:
-            own = [(_unshare(k, pk[:, :, shared:], self.pad), _unshare(v, pv[:, :, shared:], self.pad))
-                   for (k, v), (pk, pv) in zip(own, prefix)]
-            prefix = [(pk[:, :, :shared], pv[:, :, :shared]) if shared else (None, None) for pk, pv in prefix]
-        return prefix, own, list(self.pad)
-
-    def remove(self, rows: set[int]) -> None:
-        """Drop `rows` and the padding every remaining row shares; all or nothing, as `add`."""
-        keep = [i for i in range(len(self.pad)) if i not in rows]
-        if not keep:
-            self.cache, self.pad = None, []
-            return
-        trim = min(self.pad[i] for i in keep)
-        index = torch.tensor(keep, device=self.cache.layers[0].keys.device)
-        kept = [(layer.keys.index_select(0, index)[:, :, trim:], layer.values.index_select(0, index)[:, :, trim:])
-                for layer in self.cache.layers]
-        self._swap(kept, [self.pad[i] - trim for i in keep])
-
-    def _new_cache(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-        cache = self.adapter.new_cache()
-        if any(type(layer) is not DynamicLayer for layer in cache.layers[: len(layers)]):
-            self.share = False  # a sliding-window layer keeps its own semantics; nothing shared
-            for i, (keys, values) in enumerate(layers):
-                cache.update(keys, values, i)
-            return cache
-        cache.layers[: len(layers)] = [SharedPrefixLayer(keys, values) for keys, values in layers]
-        return cache
-
-    def _swap(self, layers: list[tuple[torch.Tensor, torch.Tensor]], pad: list[int], prefix=None) -> None:
-        for i, (layer, (keys, values)) in enumerate(zip(self.cache.layers, layers)):
-            layer.keys, layer.values = keys, values
-            if prefix is not None:
-                layer.prefix_keys, layer.prefix_values = prefix[i]
-        self.pad = pad
-
-    def step(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """Run token b at position b for every row; logits [B, V]."""
-        p = self.prefix_length
-        slots = torch.arange(self.length + 1)
-        visible = (slots[None, :] < p) | (slots[None, :] >= p + torch.tensor(self.pad)[:, None])
-        mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
-        return self.adapter.forward_decode(torch.tensor(tokens), torch.tensor(positions), self.cache,
-                                           mask[:, None, None, :])
-
-
-def _cat_prefix(prefix: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
-    return more.clone() if prefix is None else torch.cat((prefix, more), dim=-2)
-
-
-def _unshare(own: torch.Tensor, slots: torch.Tensor, pad: list[int]) -> torch.Tensor:
-    """Each row's own slots with `slots` [1, H, n, D] (prefix it no longer shares) put back
-    between its padding and its slots: [B, H, n + K, D], the padding unchanged."""
-    n = slots.shape[-2]
-    out = own.new_zeros(own.shape[0], own.shape[1], n + own.shape[2], own.shape[3])
-    for b, first in enumerate(pad):
-        out[b, :, first:first + n] = slots[0]
-        out[b, :, first + n:] = own[b, :, first:]
-    return out
 
 
 @dataclass(eq=False)
@@ -405,7 +249,7 @@ class Scheduler:
         """The prefilled request's KV becomes a row of the decode batch; if that fails (out of
         memory), the request alone fails and the batch is as it was."""
         if self.batch is None:
-            self.batch = DecodeBatch(self.engine.adapter, share=self.share_kv)
+            self.batch = DecodeBatch(self.engine.adapter, max_rows=self.max_batch, share=self.share_kv)
         try:
             with self.engine._lock:
                 self.batch.add(req.run.cache)
@@ -443,20 +287,20 @@ class Scheduler:
         if finished:
             try:
                 with self.engine._lock:
-                    self.batch.remove(finished)  # all or nothing, as add
+                    order = self.batch.remove(finished)  # the rows' new order
             except BaseException as exc:  # noqa: BLE001 - the batch cannot shrink: its rows cannot go on
                 log.exception("finished requests could not leave the decode batch")
                 self._running = [r for i, r in enumerate(self._running) if i not in finished]
                 self._fail_batch(exc)
                 return
-            self._running = [r for i, r in enumerate(self._running) if i not in finished]
+            self._running = [self._running[i] for i in order]
             self._note_batch()
 
     def _note_batch(self) -> None:
         """What the decode batch holds, for /metrics (read from any thread: one dict swapped in)."""
         batch = self.batch
         self.batch_stats = {"decode_batch_rows": 0 if batch is None else len(batch),
-                            "decode_batch_kv_bytes": 0 if batch is None else batch.nbytes(),
+                            "decode_batch_kv_bytes": 0 if batch is None else batch.nbytes,
                             "decode_batch_shared_tokens": 0 if batch is None else batch.prefix_length}
 
     def _fail_batch(self, exc: BaseException) -> None:
