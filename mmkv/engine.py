@@ -35,6 +35,7 @@ from mmkv.request.sampling import TokenLogprob, TokenTexts
 from mmkv.request.spec import RequestSpec, build_spec
 from mmkv.request.tools import ContentFilter, ToolCall, ToolSpec
 from mmkv.request.place import EditReport, KVPlacer, Placed
+from mmkv.request.blend import BlendReport, parse_blend
 from mmkv.request.plan import PROCESSOR_ONLY, Planner, SplicePlan, check_policy, check_seam_tokens
 from mmkv.request.registry import ImageInfo, Registries, RegisteredImage, SkillInfo, check_skill
 from mmkv.request.registry import image_id_for  # noqa: F401  re-exported: mmkv.bench.run imports it from here
@@ -58,9 +59,13 @@ class EngineSettings:
     prefix_cache: bool = True
     edit_max_tokens: int = 16  # longest substitution the edit detector treats as a field change
     selective_layer: int = 1  # layer whose KV change ranks tokens for selective@K
+    blend: float | dict = 0.0  # the fidelity dial's default: a ratio, or {chunk kind: ratio} (mmkv.request.blend)
+    blend_select: str = "deviation"  # how it chooses the tokens: deviation (the probe) or stride
+    blend_layer: int = 1  # the probe's layer: layers 0..blend_layer run, K/V compared at blend_layer
 
     def __post_init__(self):
         check_seam_tokens(self.seam_tokens)
+        parse_blend(self.blend, self.blend_select)
         check_policy(self.rope_policy)
         if self.anchor not in ANCHORS:
             raise InvalidRequestError(f"anchor must be one of {ANCHORS}", param="anchor")
@@ -114,6 +119,7 @@ class GenerationResult:
     skill_tokens_reused: int = 0
     fidelity: Fidelity | None = None
     edit: EditReport | None = None
+    blend: BlendReport | None = None  # the fidelity dial's report (None: off, or reuse=False)
     first_logits: torch.Tensor | None = None  # [V] float32, next-token logits after the prompt
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids when asked for
     tool_calls: list[ToolCall] = field(default_factory=list)  # parsed from `<tool_call>` blocks (then not in text)
@@ -384,8 +390,10 @@ class Engine:
         scheduler drives (mmkv.request.scheduler). The same arguments as `generate`; keyword
         arguments: max_new_tokens (64), temperature, top_p, top_k, seed, stop, presence_penalty,
         frequency_penalty, logit_bias, logprobs, top_logprobs, reuse (True), seam_tokens,
-        rope_policy, tenant, fidelity, edit_policy, tools, tool_choice, response_format, on_text,
-        should_stop, on_logprobs (mmkv.request.spec.build_spec checks them).
+        rope_policy, tenant, fidelity, edit_policy, blend, blend_select, tools, tool_choice,
+        response_format, on_text, should_stop, on_logprobs (mmkv.request.spec.build_spec checks them).
+        `blend` (a ratio in [0, 1], or {chunk kind: ratio}) recomputes that share of each spliced
+        chunk's tokens in context (mmkv.request.blend; default: the engine's `blend` setting).
 
         Answer OpenAI-shaped `messages`. `reuse=False` is the reference: one full causal forward.
 
@@ -425,7 +433,8 @@ class Engine:
         """`start`'s keyword arguments validated into one `RequestSpec` (the first stage)."""
         return build_spec(messages, vocab_size=self.vocab_size, default_seam=self.settings.seam_tokens,
                           default_policy=self.settings.rope_policy, tool_spec=self.planner.tool_spec,
-                          grammars=self.grammars, **kwargs)
+                          grammars=self.grammars,
+                          default_blend=parse_blend(self.settings.blend, self.settings.blend_select), **kwargs)
 
     def start_request(self, spec: RequestSpec) -> Run:
         """The stages after validation (docs/structure.md): the prompt (messages parsed, images and
@@ -464,8 +473,9 @@ class Engine:
         if spec.reuse:
             chunks = [(s, self.registry.chunk_for(r, spec.tenant)) for s, r in spans]
             plan = self.planner.plan(input_ids, chunks, spec.policy)
-            return self.placer.prefill(plan, spec.tenant, self._salt(spec.tenant, spec.seam, spec.policy), spec.seam,
-                                       spec.policy, spec.edit, spec.max_new_tokens), plan
+            salt = self._salt(spec.tenant, spec.seam, spec.policy) + (f"|blend={spec.blend}" if spec.blend.active else "")
+            return self.placer.prefill(plan, spec.tenant, salt, spec.seam, spec.policy, spec.edit,
+                                       spec.max_new_tokens, spec.blend), plan
         images = [r for r in resolved if isinstance(r, RegisteredImage)]
         native = self.adapter.native_positions(input_ids, [r.grid_thw for r in images])
         feats = ImageFeatures.concat([self.registry.encode(r) for r in images])
@@ -501,7 +511,7 @@ class Engine:
             lm_tokens_computed=prefill.computed_tokens + self.registry.precompiled_tokens - computed_before,
             vision_tower_runs=self.registry.vision_tower_runs - runs_before, seam_tokens=spec.seam,
             rope_policy=spec.policy, reuse=spec.reuse, prefix_tokens_reused=reused["prefix"],
-            skill_tokens_reused=reused["skill"], fidelity=None, edit=placed.report,
+            skill_tokens_reused=reused["skill"], fidelity=None, edit=placed.report, blend=placed.blend,
             first_logits=None)  # both set by Run.prefill
 
     def _stream(self, spec: RequestSpec, plan: SplicePlan, t0: float) -> tuple[ContentFilter | None, DecodeStream]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmkv.errors import InvalidRequestError
+from mmkv.request.blend import Blend, parse_blend
 from mmkv.request.edits import EditPolicy, parse_edit_policy
 from mmkv.request.grammar import Grammar, GrammarCompiler, parse_response_format
 from mmkv.request.plan import check_policy, check_seam_tokens, check_stops
@@ -25,6 +26,7 @@ class RequestSpec:
     seam: int  # seam tokens recomputed at the start of each spliced chunk
     policy: str  # rope policy: where a chunk's keys are turned to
     edit: EditPolicy
+    blend: Blend  # the fidelity dial: the share of each spliced chunk recomputed in context
     tenant: str
     fidelity: bool  # also run the full recompute and report the first logits' gap
     tools: ToolSpec | None
@@ -44,7 +46,8 @@ def build_spec(messages, *, vocab_size: int, default_seam: int, default_policy: 
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                logit_bias: dict[int, float] | None = None, logprobs: bool = False, top_logprobs: int = 0,
                on_logprobs=None, tools: list[dict] | None = None,
-               tool_choice: str | dict | None = None, response_format: dict | None = None) -> RequestSpec:
+               tool_choice: str | dict | None = None, response_format: dict | None = None,
+               blend=None, blend_select: str | None = None, default_blend: Blend | None = None) -> RequestSpec:
     """`Engine.start`'s keyword arguments checked (each bad value an InvalidRequestError naming
     its parameter) and gathered; the engine's own defaults fill what the request leaves out."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -55,6 +58,9 @@ def build_spec(messages, *, vocab_size: int, default_seam: int, default_policy: 
     if not isinstance(tenant, str):
         raise InvalidRequestError("tenant must be a string", param="tenant")
     tools = tool_spec(tools, tool_choice)
+    if not reuse and (blend is not None or blend_select is not None):
+        raise InvalidRequestError("blend applies to spliced chunks; with reuse=false every token is recomputed "
+                                  "already", param="blend" if blend is not None else "blend_select")
     return RequestSpec(
         messages=messages, max_new_tokens=max_new_tokens,
         sampling=SamplingParams.build(
@@ -63,7 +69,8 @@ def build_spec(messages, *, vocab_size: int, default_seam: int, default_policy: 
             top_logprobs=top_logprobs),
         stops=check_stops(stop), reuse=reuse,
         seam=check_seam_tokens(default_seam if seam_tokens is None else seam_tokens),
-        policy=check_policy(rope_policy or default_policy), edit=parse_edit_policy(edit_policy), tenant=tenant,
+        policy=check_policy(rope_policy or default_policy), edit=parse_edit_policy(edit_policy),
+        blend=parse_blend(blend, blend_select, default_blend), tenant=tenant,
         fidelity=fidelity, tools=tools, grammar=grammars.for_request(parse_response_format(response_format), tools),
         on_text=on_text, should_stop=should_stop,
         on_logprobs=on_logprobs)
