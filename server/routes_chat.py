@@ -104,6 +104,7 @@ class ChatCompletions:
             frequency_penalty=body.frequency_penalty, logit_bias=body.token_logit_bias(), logprobs=body.logprobs,
             top_logprobs=body.top_logprobs, reuse=body.mmkv.reuse, seam_tokens=body.mmkv.seam_tokens,
             rope_policy=body.mmkv.rope_policy, edit_policy=body.mmkv.edit_policy, fidelity=body.mmkv.fidelity,
+            blend=body.mmkv.blend, blend_select=body.mmkv.blend_select,
             tenant=tenant, tools=body.tools, tool_choice=body.tool_choice, response_format=body.response_format,
         )
 
@@ -138,7 +139,8 @@ class ChatCompletions:
                                  skill_tokens_reused=result.skill_tokens_reused,
                                  lm_tokens_computed=result.lm_tokens_computed,
                                  edit=dataclasses.asdict(result.edit) if result.edit else None,
-                                 fidelity=dataclasses.asdict(result.fidelity) if result.fidelity else None)
+                                 fidelity=dataclasses.asdict(result.fidelity) if result.fidelity else None,
+                                 blend=result.blend.to_json() if result.blend else None)
         log.info("chat completion", extra={
             "ttft_ms": mmkv_report.ttft_ms, "queue_ms": round((job.started_at - arrived) * 1000, 3),
             "prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
