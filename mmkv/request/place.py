@@ -162,12 +162,12 @@ class KVPlacer:
         if result is None:
             chooser = self._chooser(plan, blend)  # an erratum rewrote the plan
             result, insert = self._prefill_prefix(plan, salt, seam, policy, chooser)
-        elif chooser is not None and chain is None:
-            chooser.report.applied, chooser.report.reason = False, f"the {report.applied} policy placed the prompt"
             if self.settings.prefix_cache:  # the edit policies build on the prefix cache
                 rewritten = report is not None and report.applied == "erratum"
                 prefilled = TokenView.of(plan.input_ids, plan.placements) if rewritten else client
                 remember = ((tenant, salt), RecentPrompt(client, prefilled))
+        elif chooser is not None and chain is None:
+            chooser.report.applied, chooser.report.reason = False, f"the {report.applied} policy placed the prompt"
         if report is not None:
             report.recomputed_tokens, report.reused_tokens = result.computed_tokens, result.reused_tokens
         return Placed(result, plan, report, self._commit(insert, remember, watch, plan),
