@@ -204,3 +204,35 @@ def test_server_reports_the_dial_and_refuses_bad_values(live):
                         ({"blend": 0.1, "reuse": False}, "blend")):
         bad = _post(server, mmkv)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (mmkv, bad.text)
+
+
+def test_eval_dial_arms_and_certification():
+    """`mmkv eval --blend`: one arm per setting (r = 0 and 1 once, whatever the selector), each
+    passing its ratio and selector to the engine; the certification reads the exact one-sided
+    bound: the smallest r that reaches the target, none when no arm does."""
+    from mmkv.vqa_eval.blend_report import certified, dial_of
+    from mmkv.vqa_eval.run import blend_arms, choose_arms
+
+    arms = blend_arms([0, 0.1, 1], ["deviation", "stride"])
+    assert [a.name for a in arms] == ["blend-0", "blend-0.1", "blend-1", "blend-0.1-stride"]
+    assert arms[3].options() == {"reuse": True, "seam_tokens": 1, "rope_policy": "native", "blend": 0.1,
+                                 "blend_select": "stride"}
+    assert [a.name for a in choose_arms(None, arms)] == ["full", *[a.name for a in arms]]
+    assert dial_of("blend-0.1-stride") == (0.1, "stride") and dial_of("splice-k1") is None
+    with pytest.raises(ValueError):
+        blend_arms([1.5], ["deviation"])
+    summary = {name: {"verdict": {"exact_lower": low}} for name, low in (
+        ("blend-0", 0.95), ("blend-0.1", 0.991), ("blend-1", 0.995), ("blend-0.1-stride", 0.98))}
+    assert certified(summary, 0.99) == {"deviation": 0.1, "stride": None}
+
+
+def test_an_edit_policy_that_places_the_prompt_says_the_dial_did_not_apply(qwen25):
+    """in_place places the prompt from the earlier turn's KV: the dial never ran, and says why."""
+    from test_edits import SHAPES, _with_field
+
+    line, _, old, new = SHAPES["colon"]
+    qwen25.generate(_with_field(line, old), max_new_tokens=1, tenant="dial-edit", blend=0.5)
+    r = qwen25.generate(_with_field(line, new), max_new_tokens=1, tenant="dial-edit", edit_policy="in_place",
+                        blend=0.5)
+    assert r.edit.applied == "in_place"
+    assert r.blend.applied is False and "in_place" in r.blend.reason and r.blend.recomputed_tokens == 0
