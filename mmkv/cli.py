@@ -77,6 +77,11 @@ def serve(
                                              help="Tokens recomputed after each spliced chunk.")] = 1,
     rope_policy: Annotated[str, typer.Option(envvar="MMKV_ROPE_POLICY",
                                              help="How cached keys move to new positions.")] = "native",
+    blend: Annotated[str, typer.Option(envvar="MMKV_BLEND", help=(
+        "The fidelity dial's default: the share of each spliced chunk recomputed in context, 0 (plain splice) "
+        "to 1, one ratio or per chunk kind (image=0.2,skill=0.05); requests may set their own."))] = "0",
+    blend_select: Annotated[str, typer.Option(envvar="MMKV_BLEND_SELECT", help=(
+        "How the dial chooses tokens: deviation (a probe over the first layers) or stride."))] = "deviation",
     cache_gb: Annotated[float, typer.Option(envvar="MMKV_CACHE_GB", help="KV cache budget, GiB.")] = 2.0,
     max_pixels: Annotated[int | None, typer.Option(envvar="MMKV_MAX_PIXELS",
                                                    help="Larger images are downscaled to this.")] = None,
@@ -179,7 +184,10 @@ def serve(
     log.info(f"loading {where}", extra={"model_dir": str(model_dir) if model_dir else None})
     t0 = time.perf_counter()
     try:
+        from mmkv.request.blend import parse_blend_flag
+
         engine = Engine.from_pretrained(model_dir, dtype=dtype, device=device, seam_tokens=seam_tokens,
+                                        blend=parse_blend_flag(blend), blend_select=blend_select,
                                         rope_policy=rope_policy, cache_bytes=int(cache_gb * (1 << 30)),
                                         min_pixels=min_pixels, max_pixels=max_pixels,
                                         store_dir=None if store_dir == "none" else store_dir,

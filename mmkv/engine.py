@@ -37,6 +37,7 @@ from mmkv.request.spec import RequestSpec, build_spec
 from mmkv.request.tools import ContentFilter, ToolCall, ToolSpec
 from mmkv.request.compose import HistoryReport
 from mmkv.request.place import EditReport, KVPlacer, Placed
+from mmkv.request.blend import BlendReport, parse_blend
 from mmkv.request.plan import PROCESSOR_ONLY, Planner, SplicePlan, check_policy, check_seam_tokens
 from mmkv.request.registry import ImageInfo, Registries, Skill, SkillInfo, check_skill
 from mmkv.request.videos import VideoInfo
@@ -63,9 +64,13 @@ class EngineSettings:
     selective_layer: int = 1  # layer whose KV change ranks tokens for selective@K
     video_limits: VideoLimits = VideoLimits()  # per video: bytes, frame size, duration, frames, tokens, decode time
     video_store_bytes: int = 1 << 30  # sampled frames kept for uploaded videos
+    blend: float | dict = 0.0  # the fidelity dial's default: a ratio, or {chunk kind: ratio} (mmkv.request.blend)
+    blend_select: str = "deviation"  # how it chooses the tokens: deviation (the probe) or stride
+    blend_layer: int = 1  # the probe's layer: layers 0..blend_layer run, K/V compared at blend_layer
 
     def __post_init__(self):
         check_seam_tokens(self.seam_tokens)
+        parse_blend(self.blend, self.blend_select)
         check_policy(self.rope_policy)
         if self.anchor not in ANCHORS:
             raise InvalidRequestError(f"anchor must be one of {ANCHORS}", param="anchor")
@@ -121,6 +126,7 @@ class GenerationResult:
     fidelity: Fidelity | None = None
     edit: EditReport | None = None
     history: HistoryReport | None = None  # history_policy "compose": what it composed
+    blend: BlendReport | None = None  # the fidelity dial's report (None: off, or reuse=False)
     first_logits: torch.Tensor | None = None  # [V] float32, next-token logits after the prompt
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids when asked for
     tool_calls: list[ToolCall] = field(default_factory=list)  # parsed from `<tool_call>` blocks (then not in text)
@@ -419,8 +425,10 @@ class Engine:
         scheduler drives (mmkv.request.scheduler). The same arguments as `generate`; keyword
         arguments: max_new_tokens (64), temperature, top_p, top_k, seed, stop, presence_penalty,
         frequency_penalty, logit_bias, logprobs, top_logprobs, reuse (True), seam_tokens,
-        rope_policy, tenant, fidelity, edit_policy, history_policy, tools, tool_choice, response_format, on_text,
-        should_stop, on_logprobs (mmkv.request.spec.build_spec checks them).
+        rope_policy, tenant, fidelity, edit_policy, history_policy, blend, blend_select, tools, tool_choice,
+        response_format, on_text, should_stop, on_logprobs (mmkv.request.spec.build_spec checks them).
+        `blend` (a ratio in [0, 1], or {chunk kind: ratio}) recomputes that share of each spliced
+        chunk's tokens in context (mmkv.request.blend; default: the engine's `blend` setting).
 
         Answer OpenAI-shaped `messages`. `reuse=False` is the reference: one full causal forward.
 
@@ -460,7 +468,8 @@ class Engine:
         """`start`'s keyword arguments validated into one `RequestSpec` (the first stage)."""
         return build_spec(messages, vocab_size=self.vocab_size, default_seam=self.settings.seam_tokens,
                           default_policy=self.settings.rope_policy, tool_spec=self.planner.tool_spec,
-                          grammars=self.grammars, **kwargs)
+                          grammars=self.grammars,
+                          default_blend=parse_blend(self.settings.blend, self.settings.blend_select), **kwargs)
 
     def start_request(self, spec: RequestSpec) -> Run:
         """The stages after validation (docs/structure.md): the prompt (messages parsed, images and
@@ -500,8 +509,9 @@ class Engine:
         if spec.reuse:
             chunks = [(s, self.registry.chunk_for(r, spec.tenant)) for s, r in spans]
             plan = self.planner.plan(input_ids, chunks, spec.policy, native)
-            return self.placer.prefill(plan, spec.tenant, self._salt(spec.tenant, spec.seam, spec.policy), spec.seam,
-                                       spec.policy, spec.edit, spec.max_new_tokens, spec.history), plan
+            salt = self._salt(spec.tenant, spec.seam, spec.policy) + (f"|blend={spec.blend}" if spec.blend.active else "")
+            return self.placer.prefill(plan, spec.tenant, salt, spec.seam, spec.policy, spec.edit,
+                                       spec.max_new_tokens, spec.history, spec.blend), plan
         feats = ImageFeatures.concat([self.registry.features_for(r) for _, r in spans if not isinstance(r, Skill)])
         prefill = prefill_full(self.adapter, input_ids, native, feats, defer=True)
         return Placed(prefill, SplicePlan(input_ids, native, native, [], [None] * input_ids.numel()), None, None), None
@@ -536,7 +546,7 @@ class Engine:
             vision_tower_runs=self.registry.vision_tower_runs - runs_before, seam_tokens=spec.seam,
             rope_policy=spec.policy, reuse=spec.reuse, prefix_tokens_reused=reused["prefix"],
             skill_tokens_reused=reused["skill"], video_tokens_reused=reused["video"], fidelity=None, edit=placed.report,
-            history=placed.history,
+            history=placed.history, blend=placed.blend,
             first_logits=None)  # both set by Run.prefill
 
     def _stream(self, spec: RequestSpec, plan: SplicePlan, t0: float) -> tuple[ContentFilter | None, DecodeStream]:

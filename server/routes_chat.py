@@ -108,6 +108,7 @@ class ChatCompletions:
             top_logprobs=body.top_logprobs, reuse=body.mmkv.reuse, seam_tokens=body.mmkv.seam_tokens,
             rope_policy=body.mmkv.rope_policy, edit_policy=body.mmkv.edit_policy, fidelity=body.mmkv.fidelity,
             history_policy=body.mmkv.history_policy,
+            blend=body.mmkv.blend, blend_select=body.mmkv.blend_select,
             tenant=tenant, tools=body.tools, tool_choice=body.tool_choice, response_format=body.response_format,
         )
 
@@ -144,7 +145,8 @@ class ChatCompletions:
                                  lm_tokens_computed=result.lm_tokens_computed,
                                  edit=dataclasses.asdict(result.edit) if result.edit else None,
                                  fidelity=dataclasses.asdict(result.fidelity) if result.fidelity else None,
-                                 history=dataclasses.asdict(result.history) if result.history else None)
+                                 history=dataclasses.asdict(result.history) if result.history else None,
+                                 blend=result.blend.to_json() if result.blend else None)
         log.info("chat completion", extra={
             "ttft_ms": mmkv_report.ttft_ms, "queue_ms": round((job.started_at - arrived) * 1000, 3),
             "prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,

@@ -281,6 +281,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+BlendRatio = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
 class MMKVOptions(BaseModel):
     """mmkv's own knobs; the openai client sends them with extra_body={"mmkv": {...}}."""
 
@@ -295,6 +298,13 @@ class MMKVOptions(BaseModel):
                                        "moved positions spliced from their cached KV (approximate, reported).")
     fidelity: bool = Field(False, description="Also run the full recompute and report how far the fast path's "
                            "first next-token logits are from it (costs a full prefill).")
+    blend: BlendRatio | dict[Literal["image", "skill"], BlendRatio] | None = Field(
+        None, description="The fidelity dial: the share of each spliced chunk's tokens recomputed in context, "
+        "0 (the plain splice) to 1 (a full recompute's KV); one ratio, or one per chunk kind (the others keep the "
+        "server's --blend). Not with reuse false.")
+    blend_select: Literal["deviation", "stride"] | None = Field(
+        None, description="How the dial chooses tokens: deviation (a probe over the first layers, the tokens "
+        "whose K/V deviate most from the cached ones) or stride (evenly spaced). Default: the server's.")
 
 
 class ChatCompletionRequest(BaseModel):
@@ -498,6 +508,10 @@ class MMKVReport(BaseModel):
                                             "same_argmax of the first next-token logits against full recompute.")
     history: dict[str, Any] | None = Field(None, description="With mmkv.history_policy compose: the policy applied "
                                            "and the turns and tokens composed.")
+    blend: dict[str, Any] | None = Field(None, description="The fidelity dial's report when it is on: ratios per "
+                                         "chunk kind, select, tokens recomputed per chunk, the probe's tokens, layers "
+                                         "and milliseconds, applied (false, with a reason, when an edit policy "
+                                         "placed the prompt).")
 
 
 class SkillCreate(BaseModel):

@@ -36,10 +36,19 @@ def eval_command(
                                              "the earlier chat).")] = "new_chat",
     decomposition: Annotated[bool, typer.Option(help="Run the block-masked oracles for the error "
                                                      "decomposition.")] = True,
+    blend: Annotated[list[str] | None, typer.Option(
+        "--blend", help="agreement task (and --grid): one arm per fidelity-dial ratio, e.g. 0,0.05,0.1,0.2,0.4,1 "
+                        "(a share of each spliced chunk recomputed in context); then only these and full run, "
+                        "unless --arms names more.")] = None,
+    blend_select: Annotated[list[str] | None, typer.Option(
+        "--blend-select", help="How the dial chooses tokens, for every --blend ratio: deviation, stride or "
+                               "both (comma-separated). Default: deviation.")] = None,
     k: Annotated[list[str] | None, typer.Option("--k", help="errata: K values for selective@K.")] = None,
     chain: Annotated[int, typer.Option(min=0, max=64, help="errata: also run each conversation as a loop of this "
                                                           "many edits, a new value and one more turn each step "
                                                           "(in_place and selective@K chained on their own KV).")] = 0,
+    conditions: Annotated[list[str] | None, typer.Option(
+        "--conditions", help="--grid: the conditions to run (repeat or comma-separate). Default: all.")] = None,
     out: Annotated[Path, typer.Option(help="Where report.json, report.md and the plot go.")] = Path("eval-out"),
     max_new_tokens: Annotated[int | None, typer.Option(help="Greedy answer length cap. Default: 6; episodes: each "
                                                               "type's longest answer as the model's tokenizer spells "
@@ -79,6 +88,12 @@ def eval_command(
             return
         if task not in TASKS:
             raise ValueError(f"--task must be one of {', '.join(TASKS)}")
+        from mmkv.vqa_eval.run import blend_arms
+
+        dial = blend_arms([float(r) for r in _split(blend)], _split(blend_select) or ["deviation"]) if blend else []
+        bad = [s for s in _split(blend_select) if s not in ("deviation", "stride")]
+        if bad or (dial and task != "agreement"):
+            raise ValueError("--blend runs with the agreement task; --blend-select takes deviation and stride")
         engine = Engine.from_pretrained(model_dir, dtype=dtype, device=device, anchor=anchor)
         common = dict(set_dir=set_dir, limit=limit or None, seed=seed, out=out,
                       max_new_tokens=max_new_tokens or (None if task == "episodes" else 6), engine=engine)
@@ -98,12 +113,13 @@ def eval_command(
         elif grid:
             from mmkv.vqa_eval.grid import run_grid
 
-            report = run_grid(model_dir, arms=_split(arms) or None, seeds=seeds, **common)
+            report = run_grid(model_dir, arms=_split(arms) or None, seeds=seeds, extra_arms=dial,
+                              conditions=_split(conditions) or None, **common)
         else:
             from mmkv.vqa_eval.run import run_eval
 
             report = run_eval(model_dir, arms=_split(arms) or None, seeds=seeds, layout=layout,
-                              decomposition=decomposition, **common)
+                              decomposition=decomposition, extra_arms=dial, **common)
     except (MMKVError, ValueError, FileNotFoundError) as exc:
         typer.echo(f"mmkv eval: {getattr(exc, 'message', None) or exc}", err=True)
         raise typer.Exit(code=2) from None

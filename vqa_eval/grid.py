@@ -48,11 +48,12 @@ def binned(rows: list[dict], arm: str, key: str, bins) -> list[dict]:
 def run_grid(model_dir: str | Path | None = None, set_dir: str | Path | None = None, arms: list[str] | None = None,
              limit: int | None = None, seed: int = 0, out: str | Path = "eval-grid", max_new_tokens: int = 6,
              engine: Engine | None = None, progress: bool = True, seeds: int = 1,
-             conditions: list[str] | None = None) -> dict:
-    """Every condition on `limit` items (default 90: 10 per type) x `seeds` conversation seeds."""
+             conditions: list[str] | None = None, extra_arms: list = ()) -> dict:
+    """Every condition on `limit` items (default 90: 10 per type) x `seeds` conversation seeds.
+    `extra_arms`: the fidelity dial's (run.blend_arms); then only those and the reference unless `arms`."""
     from mmkv.vqa_eval.report import write_grid_reports
 
-    chosen = choose_arms(arms or list(GRID_ARMS))
+    chosen = choose_arms(arms or ([] if extra_arms else list(GRID_ARMS)), extra_arms)
     names = conditions or list(CONDITIONS)
     unknown = [c for c in names if c not in CONDITIONS]
     if unknown:

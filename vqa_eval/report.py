@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mmkv.vqa_eval.blend_report import dial_arms, table as dial_table
 from mmkv.vqa_eval.dataset import TYPES
 
 
@@ -113,6 +114,8 @@ def markdown(report: dict) -> str:
              + (f" Asked the same question about another image of its type (the position controls' own floor): "
                 f"{f['shuffled_same_question']:.3f}." if "shuffled_same_question" in f else ""), ""]
     lines += agreement_table(s, names, controls)
+    if dial_arms(s):
+        lines += ["", "## The fidelity dial (blend)", ""] + dial_table(report)
     lines += ["", "## Agreement by question type (k/n [exact 95%])", ""] + per_type_table(s, names)
     lines += ["", "## Flips (full's answer -> arm's answer)", ""] + flip_lines(s, names, controls)
     if any(s[n].get("decomposition") for n in names):

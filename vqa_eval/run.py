@@ -50,6 +50,13 @@ class Arm:
     exact_prefix: bool = False  # reuse the previous request's KV up to the common token prefix
     control: bool = False  # built to be wrong: shows the evaluation can see a broken path
     meaning: str = ""
+    blend: float | None = None  # the fidelity dial's ratio (mmkv.request.blend); None: the engine's default
+    blend_select: str | None = None
+
+    def options(self) -> dict:
+        """The engine's keyword arguments for this arm's splice settings."""
+        dial = {} if self.blend is None else {"blend": self.blend, "blend_select": self.blend_select}
+        return dict(reuse=self.reuse, seam_tokens=self.seam_tokens, rope_policy=self.rope_policy, **dial)
 
 
 ARMS: dict[str, Arm] = {a.name: a for a in (
@@ -192,15 +199,13 @@ def serve_earlier(ctx: Context, arm: Arm, earlier) -> None:
     if arm.exact_prefix:
         ctx.prefix.generate(earlier, 1)
     elif arm.reuse:
-        ctx.engine.generate(earlier, max_new_tokens=1, reuse=True, seam_tokens=arm.seam_tokens,
-                            rope_policy=arm.rope_policy)
+        ctx.engine.generate(earlier, max_new_tokens=1, **arm.options())
 
 
 def run_arm(ctx: Context, arm: Arm, messages) -> ArmResult:
     if arm.exact_prefix:
         return ctx.prefix.generate(messages, ctx.max_new_tokens)
-    r = ctx.engine.generate(messages, max_new_tokens=ctx.max_new_tokens, reuse=arm.reuse,
-                            seam_tokens=arm.seam_tokens, rope_policy=arm.rope_policy)
+    r = ctx.engine.generate(messages, max_new_tokens=ctx.max_new_tokens, **arm.options())
     return ArmResult(r.text, r.first_logits, r.ttft_s, r.vision_tower_runs, r.lm_tokens_computed,
                      r.usage.cached_tokens)
 
@@ -356,7 +361,17 @@ def summarize_arm(rows: list[dict], name: str, seed: int) -> dict:
                              **flip_directions(pairs, t)}
     if name != REFERENCE and "error" in rows[0]["arms"][name]:
         out["decomposition"] = decomposition_summary(rows, name)
+        out["confident"] = _rate(*_confident(rows, name))
     return out
+
+
+CONFIDENT_MARGIN = 1.0  # logits: requests whose full top-2 margin exceeds it are not near ties
+
+
+def _confident(rows: list[dict], name: str) -> tuple[int, int]:
+    """Agreement (k, n) on the requests whose full recompute's top-2 margin exceeds CONFIDENT_MARGIN."""
+    sel = [r["arms"][name]["agree"] for r in rows if r["arms"][name]["error"]["full_margin"] > CONFIDENT_MARGIN]
+    return sum(sel), len(sel)
 
 
 def summarize(rows: list[dict], arm_names: list[str], seed: int) -> dict:
@@ -373,12 +388,31 @@ def summarize(rows: list[dict], arm_names: list[str], seed: int) -> dict:
 # ----------------------------------------------------------------------------- the run
 
 
-def choose_arms(arms: list[str] | None) -> list[Arm]:
-    names = list(ARMS) if not arms else list(dict.fromkeys([REFERENCE, *arms]))
+def choose_arms(arms: list[str] | None, extra: list[Arm] = ()) -> list[Arm]:
+    """The named arms (all when none is named, unless `extra` arms are given: then only the
+    reference), the reference first, then `extra` (the fidelity dial's)."""
+    names = (list(ARMS) if not extra else [REFERENCE]) if not arms else list(dict.fromkeys([REFERENCE, *arms]))
     unknown = [n for n in names if n not in ARMS]
     if unknown:
         raise ValueError(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
-    return [ARMS[n] for n in names]
+    return [ARMS[n] for n in names] + [a for a in extra if a.name not in names]
+
+
+def blend_arms(ratios: list[float], selects: list[str]) -> list[Arm]:
+    """One arm per dial setting: `blend-R` (the deviation probe) or `blend-R-SELECT`, seam 1."""
+    bad = [r for r in ratios if not 0.0 <= r <= 1.0]
+    if bad:
+        raise ValueError(f"--blend ratios must be in [0, 1], got {bad}")
+    arms, seen = [], set()
+    for select in selects:
+        for r in ratios:
+            if r in (0.0, 1.0) and r in seen:  # the plain splice and the full recompute whatever the selector
+                continue
+            seen.add(r)
+            name = f"blend-{r:g}" + ("" if select == "deviation" else f"-{select}")
+            arms.append(Arm(name, True, 1, blend=r, blend_select=select,
+                            meaning=f"cached chunk KV, a share {r:g} of each chunk recomputed in context ({select}), k=1"))
+    return arms
 
 
 def make_context(engine: Engine, convs: list[Conversation], arms: list[Arm], max_new_tokens: int,
@@ -404,12 +438,12 @@ def run_requests(ctx: Context, convs: list[Conversation], layout: str, progress:
 def run_eval(model_dir: str | Path | None = None, set_dir: str | Path | None = None, arms: list[str] | None = None,
              limit: int | None = None, seed: int = 0, out: str | Path = "eval-out", max_new_tokens: int = 6,
              engine: Engine | None = None, progress: bool = True, seeds: int = 6, layout: str = "new_chat",
-             decomposition: bool = True) -> dict:
+             decomposition: bool = True, extra_arms: list[Arm] = ()) -> dict:
     """Every arm on every item under `seeds` conversation seeds (seed .. seed + seeds - 1); writes
-    report.json, report.md and agreement.png to `out`."""
+    report.json, report.md and agreement.png to `out`. `extra_arms`: the fidelity dial's (`blend_arms`)."""
     from mmkv.vqa_eval.report import write_reports
 
-    chosen = choose_arms(arms)
+    chosen = choose_arms(arms, extra_arms)
     if seeds < 1:
         raise ValueError("seeds must be >= 1")
     torch.manual_seed(seed)

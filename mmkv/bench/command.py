@@ -46,7 +46,7 @@ import typer
 
 from mmkv.bench import CONFIGS
 
-MODES = ("image", "skill", "errata", "agent", "copy", "bytes")
+MODES = ("image", "skill", "errata", "agent", "copy", "bytes", "blend")
 
 
 def format_header(h: dict) -> str:
@@ -131,7 +131,13 @@ def format_bytes(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-FORMATS = {"header": format_header, "table": format_table, "agent": format_agent,
+def _format_blend(t: dict) -> str:
+    from mmkv.bench.blend import format_blend
+
+    return format_blend(t)
+
+
+FORMATS = {"header": format_header, "table": format_table, "agent": format_agent, "blend": _format_blend,
            "copy": lambda f: format_copy(f["rows"]),
            "bytes": lambda f: format_bytes(f["rows"])}
 
@@ -166,6 +172,30 @@ def _check_window_drops(window: int, agent_turns: int, seed: int) -> None:
                                  param_hint="--window")
 
 
+def _ratios(value: str) -> list[float]:
+    try:
+        ratios = [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        ratios = []
+    if not ratios or not all(0.0 <= r <= 1.0 for r in ratios):
+        raise typer.BadParameter(f"takes comma-separated ratios in [0, 1], got {value!r}", param_hint="--blend")
+    return ratios
+
+
+def _run_blend(engine, images: list[int], skills: list[int], repeats: int, ratios: list[float]) -> list[dict]:
+    """The dial's tables (mmkv.bench.blend), one per image and skill size, printed as measured."""
+    from dataclasses import asdict
+
+    from mmkv.bench.blend import bench_blend
+
+    tables = []
+    for kind, sizes in (("image", images), ("skill", skills)):
+        for n in sizes:
+            tables.append(asdict(bench_blend(engine, kind, n, repeats, ratios)))
+            typer.echo(FORMATS["blend"](tables[-1]))
+    return tables
+
+
 def bench_command(
     model_dir: Annotated[Path | None, typer.Argument(
         show_default=False, help="Local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint dir (overrides --config).")] = None,
@@ -187,6 +217,9 @@ def bench_command(
     drop_chunk: Annotated[int, typer.Option(help="agent: screenshots dropped at a time, 1 to --window (1: one at "
                                                   "a time, as UI-TARS; --window: in chunks, as Anthropic's "
                                                   "computer-use loop).")] = 1,
+    blend: Annotated[str, typer.Option("--blend", help="blend mode: the dial's ratios, comma-separated (each "
+                                                       "image and skill size, both selectors).")]
+    = "0,0.05,0.1,0.2,0.4,1",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write every figure to this file.")] = None,
 ) -> None:
     """Where a turn's time goes: full recompute, prefix caching, encoder cache, mmkv splice, the limit."""
@@ -200,6 +233,7 @@ def bench_command(
         raise typer.BadParameter(f"expected one of {', '.join(CONFIGS)}", param_hint="--config")
     _check_window(window, drop_chunk, chosen)
     images, skills = _ints(image_tokens, "--image-tokens"), _ints(skill_tokens, "--skill-tokens")
+    ratios = _ratios(blend)
     t0 = time.perf_counter()
     # Idle OpenMP threads sleep instead of spinning: on a shared CPU spinning threads slow every
     # multi-threaded op several-fold. Read once, when torch loads its OpenMP runtime (printed).
@@ -216,6 +250,8 @@ def bench_command(
         report = run_bench(engine, chosen, repeats, threads, images, skills, policy_tokens, turns,
                            lambda kind, figures: typer.echo(FORMATS[kind](figures)), agent_turns, seed, window,
                            drop_chunk)
+        if "blend" in chosen:
+            report["blend"] = _run_blend(engine, images, skills, repeats, ratios)
     except (BenchError, MMKVError) as exc:
         typer.echo(f"mmkv bench: {getattr(exc, 'message', None) or exc}", err=True)
         raise typer.Exit(code=2) from None

@@ -38,7 +38,8 @@ from mmkv.request.messages import erratum_line
 from mmkv.store.kv_store import PurgeWatch
 from mmkv.store.prefix_cache import ChunkSpan, block_keys
 from mmkv.kv.rerotate import constant_delta
-from mmkv.request.splice import PrefillResult, preallocate, prefill_spliced, splice_layout
+from mmkv.request.blend import Blend, BlendChooser, BlendReport
+from mmkv.request.splice import PrefillResult, preallocate, prefill_spliced, ranges_less, splice_layout
 
 if TYPE_CHECKING:
     from mmkv.request.plan import Planner, SplicePlan
@@ -82,6 +83,7 @@ class Placed:
     report: EditReport | None
     insert: Insert | None
     history: HistoryReport | None = None  # history_policy "compose": what it composed
+    blend: BlendReport | None = None  # what the fidelity dial recomputed (None: the dial is off)
 
 
 #: An added token that is markup (`<|im_start|>`, `<tool_call>`, `<think>`), special or not.
@@ -123,11 +125,13 @@ class KVPlacer:
                                  adapter.num_layers)
 
     def prefill(self, plan: SplicePlan, tenant: str, salt: str, seam: int, policy: str, edit: EditPolicy,
-                max_new_tokens: int, history: str = "exact") -> Placed:
+                max_new_tokens: int, history: str = "exact", blend: Blend | None = None) -> Placed:
         """Edit detection, then the edit policy, then prefix cache + splice. Returns the prefill
         (its final forward pending), the plan actually prefilled (the erratum policy rewrites the
         prompt), the edit report and what to store once the first token is out (`Placed.insert`: the
-        prefix blocks and the recent prompt). A policy that cannot apply, or fails before that
+        prefix blocks and the recent prompt). `blend` (active) recomputes a share of each spliced
+        chunk in context on the splice path (mmkv.request.blend); an edit policy's own placement
+        does not blend, and the blend report says so. A policy that cannot apply, or fails before that
         forward, falls back to the exact path (recompute) and the report says why: a policy never
         turns an answerable request into an error."""
         watch = self.store.watch()  # a delete before the first token is out cancels what this request stores
@@ -144,9 +148,10 @@ class KVPlacer:
         elif edit.name != "recompute":
             report = EditReport(str(edit), False)
         result = insert = remember = composed = None
+        chooser = self._chooser(plan, blend)
         chain = self._continued_chain(client, recent) if change is None and approximate else None
         if chain is not None:  # a later turn of a conversation this policy edited: stay on its KV
-            result, insert = self._prefill_prefix(plan, chain.salt, seam, policy)
+            result, insert = self._prefill_prefix(plan, chain.salt, seam, policy, chooser)
             if self.settings.prefix_cache:
                 remember = ((tenant, chain.salt), RecentPrompt(client, client, salt=chain.salt))
             report.applied, report.continued = str(edit), True
@@ -158,17 +163,27 @@ class KVPlacer:
                 log.warning("edit policy %s failed, recomputing: %r", edit, exc)
                 result = None  # `plan` is still the client's: the exception came before any rewrite
                 report.applied, report.reason = "recompute", f"{edit} failed ({type(exc).__name__}); recomputed"
-        if result is None and history == "compose":  # the spec refuses it beside an edit policy
+        if result is None and history == "compose":  # the spec refuses it beside an edit policy or the dial
             result, plan, insert, composed = self._prefill_composed(plan, salt, seam, policy)
         elif result is None:
-            result, insert = self._prefill_prefix(plan, salt, seam, policy)
+            chooser = self._chooser(plan, blend)  # an erratum rewrote the plan
+            result, insert = self._prefill_prefix(plan, salt, seam, policy, chooser)
             if self.settings.prefix_cache:  # the edit policies build on the prefix cache
                 rewritten = report is not None and report.applied == "erratum"
                 prefilled = TokenView.of(plan.input_ids, plan.placements) if rewritten else client
                 remember = ((tenant, salt), RecentPrompt(client, prefilled))
+        elif chooser is not None and chain is None:
+            chooser.report.applied, chooser.report.reason = False, f"the {report.applied} policy placed the prompt"
         if report is not None:
             report.recomputed_tokens, report.reused_tokens = result.computed_tokens, result.reused_tokens
-        return Placed(result, plan, report, self._commit(insert, remember, watch, plan), composed)
+        return Placed(result, plan, report, self._commit(insert, remember, watch, plan),
+                      history=composed, blend=chooser.report if chooser is not None else None)
+
+    def _chooser(self, plan: SplicePlan, blend: Blend | None) -> BlendChooser | None:
+        if blend is None or not blend.active:
+            return None
+        return BlendChooser(self.adapter, plan.input_ids, plan.positions, plan.placements, blend,
+                            self.settings.blend_layer)
 
     def _commit(self, insert: Insert | None, remember: tuple | None, watch: PurgeWatch,
                 plan: SplicePlan) -> Insert | None:
@@ -241,13 +256,14 @@ class KVPlacer:
             return result, plan, insert, ((tenant, own), RecentPrompt(client, client, salt=own))
         return result, plan, insert, None
 
-    def _prefill_prefix(self, plan: SplicePlan, salt: str, seam: int, policy: str) -> tuple[PrefillResult, Insert | None]:
+    def _prefill_prefix(self, plan: SplicePlan, salt: str, seam: int, policy: str,
+                        chooser: BlendChooser | None = None) -> tuple[PrefillResult, Insert | None]:
         """The exact reuse path: the longest cached prompt prefix, written straight into the
-        prompt-length cache, then splice; full blocks go back (those inside a spliced chunk's body
-        as references to it)."""
+        prompt-length cache, then splice (blended by `chooser`); full blocks go back (those inside
+        a spliced chunk's body as references to it, but for the tokens the dial recomputed)."""
         keys = block_keys(plan.input_ids, plan.chunk_keys, salt) if self.settings.prefix_cache else []
         blocks = self.prefix.lookup(keys, plan.input_ids.numel()) if keys else []
-        return self._prefill_blocks(plan, blocks, keys, len(blocks), seam, policy)
+        return self._prefill_blocks(plan, blocks, keys, len(blocks), seam, policy, chooser)
 
     def _prefill_composed(self, plan: SplicePlan, salt: str, seam: int,
                           policy: str) -> tuple[PrefillResult, SplicePlan, Insert, HistoryReport]:
@@ -259,8 +275,9 @@ class KVPlacer:
         return result, comp.plan, self.composer.commit(comp, result, insert), comp.report
 
     def _prefill_blocks(self, plan: SplicePlan, blocks: list, keys: list, have: int, seam: int,
-                        policy: str) -> tuple[PrefillResult, Insert | None]:
-        """`blocks` loaded, the splice, and the insert of the prompt's blocks `have`.. under `keys`."""
+                        policy: str, chooser: BlendChooser | None = None) -> tuple[PrefillResult, Insert | None]:
+        """`blocks` loaded, the splice (blended by `chooser`), and the insert of the prompt's
+        blocks `have`.. under `keys`."""
         n = plan.input_ids.numel()
         cache = self.adapter.new_cache()
         start = len(blocks) * self.prefix.block
@@ -268,11 +285,11 @@ class KVPlacer:
             self.prefix.load(blocks, preallocate(self.adapter, cache, 0, n))
         rotate = policy != "none"
         result = prefill_spliced(self.adapter, plan.input_ids, plan.positions, plan.placements, seam,
-                                 rotate=rotate, cache=cache, start=start, defer=True)
+                                 rotate=rotate, cache=cache, start=start, defer=True, blend=chooser)
         insert = None
         if keys:  # stored once the first token is out (Run.first_token_out): off the TTFT path
             cache, rope = result.cache, self.adapter.rope
-            spans = chunk_spans(plan, n, start, seam, rotate)
+            spans = chunk_spans(plan, n, start, seam, rotate, chooser.chosen if chooser is not None else [])
             insert = lambda: self.prefix.insert(keys, cache, plan.positions, have, n, spans, rope)  # noqa: E731
         return result, insert
 
@@ -313,13 +330,16 @@ class KVPlacer:
         return self.planner.plan(torch.tensor(ids, dtype=torch.long), spans, policy), line
 
 
-def chunk_spans(plan: SplicePlan, total: int, start: int, seam: int, rotate: bool) -> list[ChunkSpan]:
+def chunk_spans(plan: SplicePlan, total: int, start: int, seam: int, rotate: bool,
+                recomputed: list[int] = ()) -> list[ChunkSpan]:
     """The prompt ranges whose KV `prefill_spliced` placed from a chunk's cached body, with the
     constant per-axis shift it turned the keys by (none with `rotate` off): the same layout and
-    shift as `splice.place_chunk`, so a block inside one can reference the chunk exactly."""
+    shift as `splice.place_chunk`, so a block inside one can reference the chunk exactly. The
+    `recomputed` prompt indices (the fidelity dial's) are computed KV, not the chunk's."""
     spans = []
     for p, first, stop in splice_layout(plan.placements, total, start, seam).reused:
         shift = constant_delta(p.entry.position_ids[:, first:stop], p.target[:, first:stop]) if rotate else (0, 0, 0)
         if shift is not None:  # positions that do not move together are copied into blocks instead
-            spans.append(ChunkSpan(p.start + first, p.start + stop, p.entry, first, shift))
+            for a, b in ranges_less([(p.start + first, p.start + stop)], list(recomputed)):
+                spans.append(ChunkSpan(a, b, p.entry, a - p.start, shift))
     return spans

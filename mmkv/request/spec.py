@@ -9,6 +9,7 @@ from typing import Any
 
 from mmkv.errors import InvalidRequestError
 from mmkv.request.compose import check_history_policy
+from mmkv.request.blend import Blend, parse_blend
 from mmkv.request.edits import EditPolicy, parse_edit_policy
 from mmkv.request.grammar import Grammar, GrammarCompiler, parse_response_format
 from mmkv.request.plan import check_policy, check_seam_tokens, check_stops
@@ -27,6 +28,7 @@ class RequestSpec:
     policy: str  # rope policy: where a chunk's keys are turned to
     edit: EditPolicy
     history: str  # "exact", or "compose": earlier turns' KV spliced where they moved (mmkv.request.compose)
+    blend: Blend  # the fidelity dial: the share of each spliced chunk recomputed in context
     tenant: str
     fidelity: bool  # also run the full recompute and report the first logits' gap
     tools: ToolSpec | None
@@ -47,7 +49,8 @@ def build_spec(messages, *, vocab_size: int, default_seam: int, default_policy: 
                logit_bias: dict[int, float] | None = None, logprobs: bool = False, top_logprobs: int = 0,
                on_logprobs=None, tools: list[dict] | None = None,
                tool_choice: str | dict | None = None, response_format: dict | None = None,
-               history_policy: str | None = None) -> RequestSpec:
+               history_policy: str | None = None, blend=None, blend_select: str | None = None,
+               default_blend: Blend | None = None) -> RequestSpec:
     """`Engine.start`'s keyword arguments checked (each bad value an InvalidRequestError naming
     its parameter) and gathered; the engine's own defaults fill what the request leaves out."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -62,6 +65,14 @@ def build_spec(messages, *, vocab_size: int, default_seam: int, default_policy: 
     if history == "compose" and (not reuse or edit.name != "recompute"):
         raise InvalidRequestError("history_policy compose needs reuse and no edit_policy: it places cached turns "
                                   "itself", param="history_policy")
+    if not reuse and (blend is not None or blend_select is not None):
+        raise InvalidRequestError("blend applies to spliced chunks; with reuse=false every token is recomputed "
+                                  "already", param="blend" if blend is not None else "blend_select")
+    if history == "compose" and blend is not None:
+        raise InvalidRequestError("blend does not apply to composed history yet: use history_policy exact with blend",
+                                  param="blend")
+    # composed turns are placed by the Composer, not the dial: the server's default ratio does not apply
+    blended = parse_blend(blend, blend_select, None if history == "compose" else default_blend)
     return RequestSpec(
         messages=messages, max_new_tokens=max_new_tokens,
         sampling=SamplingParams.build(
@@ -70,7 +81,7 @@ def build_spec(messages, *, vocab_size: int, default_seam: int, default_policy: 
             top_logprobs=top_logprobs),
         stops=check_stops(stop), reuse=reuse,
         seam=check_seam_tokens(default_seam if seam_tokens is None else seam_tokens),
-        policy=check_policy(rope_policy or default_policy), edit=edit, history=history, tenant=tenant,
+        policy=check_policy(rope_policy or default_policy), edit=edit, history=history, blend=blended, tenant=tenant,
         fidelity=fidelity, tools=tools, grammar=grammars.for_request(parse_response_format(response_format), tools),
         on_text=on_text, should_stop=should_stop,
         on_logprobs=on_logprobs)

@@ -257,9 +257,9 @@ def image_features(placements: list[Placement], ranges: list[tuple[int, int]]) -
     return ImageFeatures.concat(parts)
 
 
-def _cached_ranges(start: int, recompute: list[int]) -> list[tuple[int, int]]:
-    """[0, start) less the `recompute` indices (ascending, below start), as [a, b) ranges."""
-    out, a = [], 0
+def _cached_ranges(start: int, recompute: list[int], first: int = 0) -> list[tuple[int, int]]:
+    """[first, start) less the `recompute` indices (ascending, inside it), as [a, b) ranges."""
+    out, a = [], first
     for i in [*recompute, start]:
         if a < i:
             out.append((a, i))
@@ -267,10 +267,28 @@ def _cached_ranges(start: int, recompute: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted disjoint [a, b) ranges with touching neighbours joined."""
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def ranges_less(ranges: list[tuple[int, int]], indices: list[int]) -> list[tuple[int, int]]:
+    """[a, b) `ranges` (disjoint) less the prompt `indices` (ascending)."""
+    return [r for a, b in ranges for r in _cached_ranges(b, [i for i in indices if a <= i < b], a)]
+
+
 def prefill_spliced(adapter: VLAdapter, input_ids: torch.Tensor, positions: torch.Tensor,
                     placements: list[Placement], seam_tokens: int, rotate: bool = True,
                     cache: DynamicCache | None = None, start: int = 0, defer: bool = False,
-                    recompute: list[int] = (), prefix_tokens: int | None = None) -> PrefillResult:
+                    recompute: list[int] = (), prefix_tokens: int | None = None,
+                    blend: Callable[[list[SlotLayer], list[tuple[Placement, int, int]], int], list[int]] | None = None
+                    ) -> PrefillResult:
     """Prefill `input_ids` [L] at `positions` [3, L] with every chunk taken from `placements`.
 
     `cache` may already hold the KV of tokens [0, start) (a prefix-cache hit; any order), but for
@@ -281,7 +299,9 @@ def prefill_spliced(adapter: VLAdapter, input_ids: torch.Tensor, positions: torc
     positions in which each chunk's tokens see only their own chunk (see mmkv.request.oracle). It runs one
     LM forward; `cache` is filled in place (its layers become prompt-length buffers) and returned
     in the result. With `defer` the KV is placed and the forward left in `result.pending`
-    (chunked prefill: `result.advance`).
+    (chunked prefill: `result.advance`). `blend(layers, reused, start)`, called once the chunks'
+    KV is placed, names chunk tokens (prompt indices, ascending, among `reused`) recomputed in
+    context in the same forward instead (mmkv.request.blend).
     """
     if seam_tokens < 0:
         raise ValueError("seam_tokens must be >= 0")
@@ -297,8 +317,9 @@ def prefill_spliced(adapter: VLAdapter, input_ids: torch.Tensor, positions: torc
     reused = _cached_ranges(start, recompute)
     for p, first, stop in layout.reused:
         place_chunk(layers, p, first, stop, adapter.rope, rotate)
-        reused.append((p.start + first, p.start + stop))
-    computed = [(i, i + 1) for i in recompute] + layout.computed
+    blended = blend(layers, layout.reused, start) if blend is not None and layout.reused else []
+    reused += ranges_less([(p.start + first, p.start + stop) for p, first, stop in layout.reused], blended)
+    computed = _merged(sorted([(i, i + 1) for i in recompute + blended] + layout.computed))
     index = torch.cat([torch.arange(a, b) for a, b in computed])  # [Q] prompt indices, ascending
 
     def features(lo: int, hi: int) -> ImageFeatures | None:  # of the computed tokens in prompt [lo, hi)
