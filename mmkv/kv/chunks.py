@@ -48,6 +48,7 @@ class CachedChunk:
     features: ImageFeatures | None = None  # images: merged visual embeddings (+ deepstack), one row per pad
     grid_thw: tuple[int, int, int] | None = None  # images only
     parent = None  # chunks are never inner nodes of the prefix tree
+    in_context = False  # a cached chunk is spliced; a first-sight image (mmkv.request.first_sight) is computed
 
     def __post_init__(self):
         n = self.token_ids.numel()

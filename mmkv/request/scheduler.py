@@ -147,6 +147,7 @@ class Scheduler:
             raise ValueError("prefill_chunk must be >= 0 (0: prefills are not chunked)")
         self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
         self.shadow = shadow  # mmkv.request.shadow.ShadowMonitor or None: fidelity shadows in idle turns
+        self._builds = engine.first_sight.builds  # first-sight chunk builds, after the shadows (mmkv.request.first_sight)
         self.batch: DecodeBatch | None = None  # made on first use: building a scheduler touches no model
         self._waiting: deque[_Request] = deque()
         self._prefilling: list[_Request] = []  # admitted, their forwards not finished
@@ -223,7 +224,7 @@ class Scheduler:
         while True:
             with self._cond:
                 while not (self._waiting or self._prefilling or self._running or self._stopping
-                           or (self.shadow is not None and self.shadow.pending)):
+                           or (self.shadow is not None and self.shadow.pending) or self._builds.pending):
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -239,6 +240,8 @@ class Scheduler:
                     self._step()
                 elif not (self._prefilling or self._waiting) and self.shadow is not None and self.shadow.pending:
                     self.shadow.step(self.engine._lock)  # idle: one chunk of a fidelity shadow
+                elif not (self._prefilling or self._waiting) and self._builds.pending:
+                    self.engine.run_background(self.prefill_chunk or None)  # idle, lowest: a first-sight build
             except BaseException as exc:  # noqa: BLE001 - a fault outside any one request's stages
                 log.exception("scheduler turn failed; failing the requests in flight")
                 self._fail_in_flight(exc)
