@@ -338,6 +338,7 @@ class Engine:
         block holding that KV (and the blocks after them)."""
         with self._lock:
             self.registry.remove_image(image_id, tenant)
+            self.first_sight.builds.prune()  # a pending build of it is cancelled, its features dropped now
 
     # ---- skills ----------------------------------------------------------------------------------
     def add_skill(self, name: str, text: str, tenant: str = "") -> str:

@@ -17,18 +17,18 @@ decoding, no fidelity shadow pending), `Engine.run_background` runs them for a p
 calls `Engine.generate` itself. The chunk is used from the moment it is stored; until then a
 request that meets the image again computes it in context from the pending build's features.
 
-Bounded: the pending builds' features and the KV of the one build in flight stay within
-`budget_bytes`; a build that does not fit is dropped and counted (the image is then seen for the
-first time again). A delete of the image while its build is pending cancels it (`KVStore.watch`:
+Bounded: each pending build is charged its features and the KV its isolated prefill will hold
+(anchor and image span, every layer), and the charges stay within `budget_bytes`; a build that
+does not fit is dropped and counted (the image is then seen for the first time again). A delete of the image while its build is pending cancels it (`KVStore.watch`:
 nothing derived from a purged image is stored).
 
-Not thread-safe: the engine's lock covers every call but `BackgroundBuilds.pending` and `stats`.
+Not thread-safe: the engine's lock covers every call; `BackgroundBuilds.pending` (a length) may be
+read from any thread.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -43,7 +43,14 @@ from mmkv.store.kv_store import PurgeWatch
 
 log = logging.getLogger("mmkv.first_sight")
 
-DEFAULT_BUDGET_BYTES = 256 << 20  # pending builds' features and the KV of the build in flight
+DEFAULT_BUDGET_BYTES = 256 << 20  # pending builds' features and the KV their prefills will hold
+
+
+def kv_bytes_per_token(adapter: VLAdapter) -> int:
+    """K and V of every layer for one token, at the model's dtype."""
+    text = adapter.text_config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * adapter.num_layers * text.num_key_value_heads * head_dim * adapter.dtype.itemsize
 
 
 @dataclass(eq=False)
@@ -71,9 +78,9 @@ class InContextImage:
 @dataclass(eq=False)
 class _Build:
     image: InContextImage
+    charge: int  # bytes: its features and the KV its isolated prefill will hold
     prefill: PrefillResult | None = None  # the isolated prefill once started, its forward pending
     positions: torch.Tensor | None = None
-    kv_bytes: int = 0  # of the partial cache while in flight
     seconds: float = 0.0
 
 
@@ -108,7 +115,6 @@ class BackgroundBuilds:
         self.adapter, self.registry, self.budget_bytes = adapter, registry, budget_bytes
         self._jobs: deque[_Build] = deque()
         self._counts = _Counts()
-        self._lock = threading.Lock()  # for `pending` and `stats` from other threads
 
     @property
     def pending(self) -> int:
@@ -116,33 +122,37 @@ class BackgroundBuilds:
 
     @property
     def nbytes(self) -> int:
-        """The pending builds' features and the partial KV of the one in flight."""
-        return sum(j.image.features.nbytes + j.kv_bytes for j in self._jobs)
+        """What the pending builds are charged: their features and the KV their prefills will hold."""
+        return sum(j.charge for j in self._jobs)
+
+    def charge(self, image: InContextImage) -> int:
+        tokens = self.registry.anchor_ids.numel() + image.num_tokens
+        return image.features.nbytes + tokens * kv_bytes_per_token(self.adapter)
 
     def features(self, key: str) -> ImageFeatures | None:
         """The visual features a pending build of chunk `key` holds (the vision tower ran)."""
-        self._prune()
+        self.prune()
         return next((j.image.features for j in self._jobs if j.image.key == key), None)
 
     def offer(self, image: InContextImage) -> bool:
         """Queue the build of a first-sight image's chunk; False when it is pending already, was
         purged meanwhile, or does not fit the budget (dropped and counted)."""
-        self._prune()
+        self.prune()
         if image.watch.touches((image.key,)) or any(j.image.key == image.key for j in self._jobs):
             return False
-        with self._lock:
-            self._counts.offered += 1
-            if self.nbytes + image.features.nbytes > self.budget_bytes:
-                self._counts.dropped += 1
-                return False
-            self._jobs.append(_Build(image))
+        charge = self.charge(image)
+        self._counts.offered += 1
+        if self.nbytes + charge > self.budget_bytes:
+            self._counts.dropped += 1
+            return False
+        self._jobs.append(_Build(image, charge))
         return True
 
     def step(self, max_tokens: int | None = None) -> int:
         """Run at most `max_tokens` LM tokens (None: all it needs) of the oldest build; store its
         chunk once done. Returns the tokens run. A build that fails is dropped and logged: it never
         fails a request or the loop."""
-        self._prune()
+        self.prune()
         if not self._jobs:
             return 0
         job, t0 = self._jobs[0], time.perf_counter()
@@ -155,10 +165,8 @@ class BackgroundBuilds:
             before = job.prefill.pending.remaining
             done = job.prefill.advance(max_tokens)
             ran = before - (0 if done else job.prefill.pending.remaining)
-            job.kv_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in job.prefill.cache.layers)
             job.seconds += time.perf_counter() - t0
-            with self._lock:
-                self._counts.tokens += ran
+            self._counts.tokens += ran
             if done:
                 self._store(job)
             return ran
@@ -177,14 +185,13 @@ class BackgroundBuilds:
         return BackgroundRun(self._counts.built - built, tokens, time.perf_counter() - t0, self.pending)
 
     def stats(self) -> dict:
-        with self._lock:
-            c = self._counts
-            return {"background_pending": len(self._jobs), "background_bytes": self.nbytes,
-                    "background_budget_bytes": self.budget_bytes, "background_offered": c.offered,
-                    "background_built": c.built, "background_dropped": c.dropped,
-                    "background_cancelled": c.cancelled, "background_superseded": c.superseded,
-                    "background_failed": c.failed, "background_tokens": c.tokens,
-                    "background_seconds": round(c.seconds, 6)}
+        self.prune()
+        c = self._counts
+        return {"background_pending": len(self._jobs), "background_bytes": self.nbytes,
+                "background_budget_bytes": self.budget_bytes, "background_offered": c.offered,
+                "background_built": c.built, "background_dropped": c.dropped, "background_cancelled": c.cancelled,
+                "background_superseded": c.superseded, "background_failed": c.failed, "background_tokens": c.tokens,
+                "background_seconds": round(c.seconds, 6)}
 
     def _start(self, job: _Build) -> None:
         """The isolated prefill a precompile runs (mmkv.request.splice.precompile_image): the
@@ -205,12 +212,11 @@ class BackgroundBuilds:
         self._finish(job, "built" if stored else "superseded")
 
     def _finish(self, job: _Build, outcome: str) -> None:
-        with self._lock:
-            self._jobs.remove(job)
-            setattr(self._counts, outcome, getattr(self._counts, outcome) + 1)
-            self._counts.seconds += job.seconds
+        self._jobs.remove(job)
+        setattr(self._counts, outcome, getattr(self._counts, outcome) + 1)
+        self._counts.seconds += job.seconds
 
-    def _prune(self) -> None:
+    def prune(self) -> None:
         """Cancel the builds of images purged (deleted) since they were placed: their features go now."""
         for job in [j for j in self._jobs if j.image.watch.touches((j.image.key,))]:
             self._finish(job, "cancelled")
