@@ -137,6 +137,7 @@ class ChatCompletions:
                                  prefix_tokens_reused=result.prefix_tokens_reused,
                                  skill_tokens_reused=result.skill_tokens_reused,
                                  lm_tokens_computed=result.lm_tokens_computed,
+                                 images_in_context=result.images_in_context,
                                  edit=dataclasses.asdict(result.edit) if result.edit else None,
                                  fidelity=dataclasses.asdict(result.fidelity) if result.fidelity else None)
         log.info("chat completion", extra={
