@@ -43,14 +43,6 @@ def model_dir(tiny_dirs):
     return tiny_dirs["qwen2_5_vl"]
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    """A RAM-only engine's answer: what every tier must reproduce."""
-    engine = Engine.from_pretrained(model_dir)
-    image_id = engine.add_image(make_png(64, 48))
-    skill_id = engine.add_skill("brief", "Answer in one word.")
-    return engine.generate(ask(image_id, skill_id), max_new_tokens=4)
-
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_restart_keeps_ids_and_loads_kv_from_disk(tiny_dirs, tmp_path, family):
