@@ -43,7 +43,6 @@ def model_dir(tiny_dirs):
     return tiny_dirs["qwen2_5_vl"]
 
 
-
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_restart_keeps_ids_and_loads_kv_from_disk(tiny_dirs, tmp_path, family):
     """Both layouts (Qwen3's deepstack features travel in the file too)."""
