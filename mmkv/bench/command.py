@@ -117,7 +117,7 @@ def format_agent(a: dict) -> str:
               "against exact-prefix caching, TTFT (CPU time to the first token), and mmkv's background build after "
               "the turn (medians of the sessions):", "",
               "| turn | what the turn adds | screenshots sent | prompt tokens | new tokens | " + " | ".join(arms)
-              + " | mmkv exact reused per plan | mmkv / exact-prefix (CPU) | background build ms |",
+              + " | mmkv exact reused per plan | mmkv / exact-prefix, wall (CPU) | background build ms |",
               "|---" * (len(arms) + 8) + "|"]
     lines += [f"| {t['turn']} | {t['events']} | {_sent(t, before)} | {t['prompt_tokens']} | {t['new_tokens']} | "
               + " | ".join(f"{t['arms'][arm]['ms']:.0f} / {t['arms'][arm]['computed_tokens']} / "
