@@ -146,6 +146,14 @@ def serve(
                                                      "last --shadow-window shadows falls below this.")] = 0.9,
     shadow_window: Annotated[int, typer.Option(envvar="MMKV_SHADOW_WINDOW", min=1,
                                                help="Shadows per kind the alert looks at.")] = 100,
+    first_sight_in_context: Annotated[bool, typer.Option(
+        "--first-sight-in-context/--first-sight-precompile", envvar="MMKV_FIRST_SIGHT_IN_CONTEXT",
+        help="An image whose KV is in no tier: computed in its request's context (as exact-prefix caching "
+             "would), its reusable KV built afterwards in idle turns; or precompiled (vision tower, isolated "
+             "prefill) before the turn.")] = True,
+    background_mb: Annotated[float, typer.Option(envvar="MMKV_BACKGROUND_MB", min=0.0, help=(
+        "Pending background builds of first-seen images: their visual features and the KV their builds will "
+        "hold; a build beyond it is dropped and counted."))] = 256.0,
     device: Annotated[str | None, typer.Option(envvar="MMKV_DEVICE",
                                                help="cpu, cuda or cuda:N. Default: cuda when present.")] = None,
     dtype: Annotated[str | None, typer.Option(envvar="MMKV_DTYPE", help="float32, bfloat16 or float16. "
@@ -194,7 +202,9 @@ def serve(
                                         store_bytes=int(store_gb * (1 << 30)), redis_url=redis_url,
                                         mooncake_master=mooncake_master, mooncake_metadata=mooncake_metadata,
                                         store_options={"mooncake_segment_bytes": mooncake_segment_mb << 20,
-                                                       "mooncake_buffer_bytes": mooncake_buffer_mb << 20})
+                                                       "mooncake_buffer_bytes": mooncake_buffer_mb << 20},
+                                        first_sight_in_context=first_sight_in_context,
+                                        background_bytes=int(background_mb * (1 << 20)))
         settings = ServerSettings(
             api_keys=tuple(api_key or ()), max_queue=max_queue, max_batch=max_batch, max_body_bytes=int(max_body_mb * (1 << 20)),
             prefill_chunk=prefill_chunk,

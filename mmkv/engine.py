@@ -36,6 +36,7 @@ from mmkv.request.sampling import TokenLogprob, TokenTexts
 from mmkv.request.spec import RequestSpec, build_spec
 from mmkv.request.tools import ContentFilter, ToolCall, ToolSpec
 from mmkv.request.compose import HistoryReport
+from mmkv.request.first_sight import DEFAULT_BUDGET_BYTES, BackgroundRun, FirstSight
 from mmkv.request.place import EditReport, KVPlacer, Placed
 from mmkv.request.blend import BlendReport, parse_blend
 from mmkv.request.plan import PROCESSOR_ONLY, Planner, SplicePlan, check_policy, check_seam_tokens
@@ -67,6 +68,11 @@ class EngineSettings:
     blend: float | dict = 0.0  # the fidelity dial's default: a ratio, or {chunk kind: ratio} (mmkv.request.blend)
     blend_select: str = "deviation"  # how it chooses the tokens: deviation (the probe) or stride
     blend_layer: int = 1  # the probe's layer: layers 0..blend_layer run, K/V compared at blend_layer
+    # An image whose KV is in no tier is computed in its request's context (as exact-prefix caching
+    # would), its reusable chunk built afterwards in idle time (mmkv.request.first_sight); False:
+    # precompiled (vision tower + isolated prefill) before the turn, as an upload is.
+    first_sight_in_context: bool = True
+    background_bytes: int = DEFAULT_BUDGET_BYTES  # pending background builds' features and KV in flight
 
     def __post_init__(self):
         check_seam_tokens(self.seam_tokens)
@@ -78,6 +84,8 @@ class EngineSettings:
             raise InvalidRequestError("cache_bytes must be >= 0", param="cache_bytes")
         if self.image_store_bytes < 0:
             raise InvalidRequestError("image_store_bytes must be >= 0", param="image_store_bytes")
+        if self.background_bytes < 0:
+            raise InvalidRequestError("background_bytes must be >= 0", param="background_bytes")
 
 
 @dataclass
@@ -123,6 +131,8 @@ class GenerationResult:
     prefix_tokens_reused: int = 0
     skill_tokens_reused: int = 0
     video_tokens_reused: int = 0
+    images_in_context: int = 0  # images seen for the first time: computed in the prompt's context, their
+    #                             reusable KV built afterwards in the background (mmkv.request.first_sight)
     fidelity: Fidelity | None = None
     edit: EditReport | None = None
     history: HistoryReport | None = None  # history_policy "compose": what it composed
@@ -249,6 +259,9 @@ class Engine:
                                    self.grid_settings, self.anchor_ids, self.max_context)
         self.registry.restore()
         self.planner.videos = self.registry.videos
+        # first sight of an image: computed in context, its chunk built in idle time (mmkv.request.first_sight)
+        self.first_sight = FirstSight(adapter, self.registry, self.settings.first_sight_in_context,
+                                      self.settings.background_bytes)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path | None = None, dtype: torch.dtype | str | None = None,
@@ -323,7 +336,9 @@ class Engine:
     def add_image(self, data, tenant: str = "") -> str:
         """Register and precompile an image (bytes, PIL image, data: URL or a PreparedImage);
         returns its stable id (from the content hash). Decoding runs before the engine lock is
-        taken. Raises ImageStoreFullError when its source would overflow `image_store_bytes`."""
+        taken. Raises ImageStoreFullError when its source would overflow `image_store_bytes`.
+        An upload is built here, ahead of its first use; an image sent inline whose KV is in no
+        tier is computed in its request's context instead (first sight, `run_background`)."""
         prepared = self.prepare_image(data)
         with self._lock:
             return self.registry.add_image(prepared, tenant)
@@ -337,6 +352,7 @@ class Engine:
         block holding that KV (and the blocks after them)."""
         with self._lock:
             self.registry.remove_image(image_id, tenant)
+            self.first_sight.builds.prune()  # a pending build of it is cancelled, its features dropped now
 
     # ---- videos ----------------------------------------------------------------------------------
     def prepare_video(self, data, **sampling) -> DecodedVideo:
@@ -433,7 +449,10 @@ class Engine:
         Answer OpenAI-shaped `messages`. `reuse=False` is the reference: one full causal forward.
 
         With reuse, images and skills are spliced from their cached KV and the longest cached
-        prompt prefix is reused. `edit_policy` decides what happens when the prompt equals a recent
+        prompt prefix is reused. An image whose KV is in no tier is computed in the prompt's
+        context, as exact-prefix caching would (`result.images_in_context`), and its reusable KV
+        built in the background once the first token is out (`run_background`; the scheduler runs
+        it in idle turns); `EngineSettings.first_sight_in_context=False` precompiles it first. `edit_policy` decides what happens when the prompt equals a recent
         one except for a short changed field (see mmkv.request.edits). `on_text(delta)` receives text as
         it is decoded; `should_stop()` is polled between tokens. `fidelity=True` also runs the
         full recompute (after the turn's own forward, in the same chunks) and reports how far the
@@ -487,7 +506,20 @@ class Engine:
             report = self._account(spec, placed, before)
             calls, stream = self._stream(spec, placed.plan, t0)
             return Run(stream, placed.prefill, report, calls, spec.tools, spec.on_text,
-                       self._run_under_lock(placed.insert), self._reference(spec, placed.plan), self._exact(client))
+                       self._run_under_lock(self._after_first_token(placed)), self._reference(spec, placed.plan),
+                       self._exact(client))
+
+    def _after_first_token(self, placed: Placed) -> Callable[[], None] | None:
+        """What the request leaves once its first token is out: its prefix blocks, and the
+        background builds of the images it saw for the first time."""
+        if not FirstSight.in_context(placed.plan.placements):
+            return placed.insert
+
+        def commit() -> None:
+            if placed.insert is not None:
+                placed.insert()
+            self.first_sight.offer(placed.plan.placements)
+        return commit
 
     def _prompt(self, spec: RequestSpec, template: list[dict], resolved: list) -> tuple[torch.Tensor, list]:
         """The prompt's token ids and its image and skill spans; refused when it and its answer do
@@ -507,7 +539,7 @@ class Engine:
         plan on the reuse path (an erratum rewrites the one placed), None on the reference path."""
         native = self.planner.native_positions(input_ids, [r for _, r in spans])
         if spec.reuse:
-            chunks = [(s, self.registry.chunk_for(r, spec.tenant)) for s, r in spans]
+            chunks = self.first_sight.chunks(spans, spec.tenant)
             plan = self.planner.plan(input_ids, chunks, spec.policy, native)
             salt = self._salt(spec.tenant, spec.seam, spec.policy) + (f"|blend={spec.blend}" if spec.blend.active else "")
             return self.placer.prefill(plan, spec.tenant, salt, spec.seam, spec.policy, spec.edit,
@@ -545,7 +577,8 @@ class Engine:
             lm_tokens_computed=prefill.computed_tokens + self.registry.precompiled_tokens - computed_before,
             vision_tower_runs=self.registry.vision_tower_runs - runs_before, seam_tokens=spec.seam,
             rope_policy=spec.policy, reuse=spec.reuse, prefix_tokens_reused=reused["prefix"],
-            skill_tokens_reused=reused["skill"], video_tokens_reused=reused["video"], fidelity=None, edit=placed.report,
+            skill_tokens_reused=reused["skill"], video_tokens_reused=reused["video"],
+            images_in_context=len(FirstSight.in_context(plan.placements)), fidelity=None, edit=placed.report,
             history=placed.history, blend=placed.blend,
             first_logits=None)  # both set by Run.prefill
 
@@ -600,6 +633,16 @@ class Engine:
                     out["video"] += int((plan.input_ids[lo:hi] == self.adapter.video_token_id).sum())
         return out
 
+    # ---- background work -----------------------------------------------------------------------------
+    def run_background(self, budget: int | None = None) -> BackgroundRun:
+        """Build the reusable chunks of images first seen in context (mmkv.request.first_sight),
+        oldest first, until `budget` LM tokens ran (None: until none is pending); each is used
+        from the moment it is stored. The scheduler (the server) runs them in its idle turns; a
+        program that calls `generate` itself calls this between turns (an agent's environment
+        step is idle time)."""
+        with self._lock:
+            return self.first_sight.builds.run(budget)
+
     # ---- introspection -------------------------------------------------------------------------------
     def stats(self) -> dict:
         with self._lock:
@@ -629,6 +672,7 @@ class Engine:
                 "registered_videos": len(reg.videos.videos),
                 "video_store_bytes": reg.videos.store_bytes,
                 "ram_evictions": self.cache.evictions,  # per tier, as the tiers' stats below
+                **self.first_sight.builds.stats(),
                 **(self.tiers.stats() if self.tiers is not None else {}),
             }
 

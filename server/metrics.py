@@ -58,6 +58,15 @@ _ENGINE_METRICS = {
                            "counter"),
     "registry_corrupt": ("mmkv:registry_corrupt", "Stored upload / skill records or blobs dropped as corrupt.",
                          "counter"),
+    **{f"background_{k}": (f"mmkv:background_{k}", doc, kind) for k, doc, kind in (
+        ("pending", "First-seen images whose reusable KV waits for its background build.", "gauge"),
+        ("bytes", "Bytes the pending background builds are charged (features and the KV they will hold).", "gauge"),
+        ("built", "Background builds stored.", "counter"),
+        ("dropped", "Background builds dropped: their byte budget was full.", "counter"),
+        ("cancelled", "Background builds cancelled: the image was deleted while pending.", "counter"),
+        ("failed", "Background builds that failed (logged, never a request error).", "counter"),
+        ("tokens", "LM tokens run by background builds.", "counter"),
+        ("seconds", "Seconds spent in background builds.", "counter"))},
 }
 
 # Per tier (label tier = ram / disk / redis / mooncake): engine.stats() key "<tier>_<key>" -> (metric, help).

@@ -143,6 +143,7 @@ class ChatCompletions:
                                  skill_tokens_reused=result.skill_tokens_reused,
                                  video_tokens_reused=result.video_tokens_reused,
                                  lm_tokens_computed=result.lm_tokens_computed,
+                                 images_in_context=result.images_in_context,
                                  edit=dataclasses.asdict(result.edit) if result.edit else None,
                                  fidelity=dataclasses.asdict(result.fidelity) if result.fidelity else None,
                                  history=dataclasses.asdict(result.history) if result.history else None,

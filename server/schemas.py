@@ -502,6 +502,8 @@ class MMKVReport(BaseModel):
     skill_tokens_reused: int = Field(0, description="Skill tokens spliced from cached KV.")
     video_tokens_reused: int = Field(0, description="Video pad tokens spliced from cached KV.")
     lm_tokens_computed: int = Field(0, description="Prompt tokens the language model computed.")
+    images_in_context: int = Field(0, description="Images seen for the first time (their KV in no tier): computed "
+                                   "in the prompt's context, their reusable KV built afterwards in idle time.")
     edit: dict[str, Any] | None = Field(None, description="The edit policy's report when a changed field was "
                                         "detected or an edit policy was asked for.")
     fidelity: dict[str, Any] | None = Field(None, description="With mmkv.fidelity: logit_cosine, max_abs_diff and "

@@ -120,6 +120,9 @@ def test_agent_session_adds_up_and_matches_its_plan(report):
         assert prefix["reused_tokens"] > 0 and prefix["vision_runs"] <= full["vision_runs"]
         assert mmkv["reused_tokens"] == t["mmkv_expected_reused"] >= prefix["reused_tokens"]
         assert mmkv["vision_runs"] == int(turn.new_screenshot is not None)
+        # first sight: a new screenshot is computed in its turn, its chunk built after it (untimed)
+        assert (mmkv["background_tokens"] > 0) == (turn.new_screenshot is not None)
+    assert [p["turn"] for p in a["per_turn"]] == [t["turn"] for t in rows]
     assert summary["mmkv exact"]["reused_tokens"] > summary["exact-prefix caching"]["reused_tokens"]
     assert summary["full recompute"]["speedup_vs_full"] == pytest.approx(1.0)
     assert summary["exact-prefix caching"]["speedup_vs_prefix"] == pytest.approx(1.0)  # ratios of a sum to itself

@@ -5,6 +5,8 @@ KV really reused, blended KV never reaches a request of another setting, bad val
 from __future__ import annotations
 
 import httpx
+import time
+
 import pytest
 import torch
 
@@ -192,13 +194,17 @@ def _post(live, mmkv: dict, content="what shape ?") -> httpx.Response:
 
 def test_server_reports_the_dial_and_refuses_bad_values(live):
     server, engine = live
+    _post(server, {})  # first sight: the inline image computed in context, its chunk built in idle time
+    deadline = time.monotonic() + 30
+    while engine.stats().get("background_pending", 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
     r = _post(server, {"blend": {"image": 0.4}, "blend_select": "stride"})
     assert r.status_code == 200, r.text
     report = r.json()["mmkv"]["blend"]
     assert report["ratios"] == {"image": 0.4, "skill": 0.5} and report["select"] == "stride"
     image = [c for c in report["chunks"] if c["kind"] == "image"][0]
     assert image["recomputed"] == count_for(0.4, image["tokens"]) > 0
-    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # an inline image: precompiled now
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the image's chunk, built before
     for mmkv, param in (({"blend": 2}, "mmkv.blend"), ({"blend": {"audio": 0.1}}, "mmkv.blend.audio"),
                         ({"blend": "x"}, "mmkv.blend"), ({"blend_select": "best"}, "mmkv.blend_select"),
                         ({"blend": 0.1, "reuse": False}, "blend")):

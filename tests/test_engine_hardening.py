@@ -79,20 +79,25 @@ def test_remove_skill_purges_prefix_blocks_holding_its_kv(engine):
 
 
 # ---- item 11: honest accounting ------------------------------------------------------------------------
-def test_a_never_seen_inline_image_is_computed_not_cached(tiny_dirs):
-    eng = Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], dtype=torch.float32, device="cpu", prefix_cache=False)
+@pytest.mark.parametrize("in_context", [True, False])
+def test_a_never_seen_inline_image_is_computed_not_cached(tiny_dirs, in_context):
+    eng = Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], dtype=torch.float32, device="cpu", prefix_cache=False,
+                                 first_sight_in_context=in_context)
     url = _data_url(make_png(98, 70, seed=42))
     msgs = [{"role": "user", "content": [{"type": "text", "text": "look"},
                                          {"type": "image_url", "image_url": {"url": url}},
                                          {"type": "text", "text": "what color ?"}]}]
     before = eng.stats()
     r = eng.generate(msgs, max_new_tokens=2)
-    assert r.vision_tower_runs == 1
+    assert r.vision_tower_runs == 1 and r.images_in_context == int(in_context)
     assert r.usage.cached_tokens == 0 and r.image_tokens_reused == 0 and r.prefix_tokens_reused == 0
-    # every prompt token but the spliced ones, plus the precompile (anchor + span), seam included once
-    assert r.lm_tokens_computed == r.usage.prompt_tokens + eng.anchor_ids.numel() + eng.settings.seam_tokens
+    # in context: every prompt token once; precompiled: every prompt token but the spliced ones,
+    # plus the precompile (anchor + span), seam included once
+    assert r.lm_tokens_computed == r.usage.prompt_tokens + (
+        0 if in_context else eng.anchor_ids.numel() + eng.settings.seam_tokens)
     assert eng.stats()["reused_tokens"] == before["reused_tokens"]
     assert eng.stats()["prefill_tokens"] - before["prefill_tokens"] == r.lm_tokens_computed
+    assert eng.run_background().built == int(in_context)  # first sight: its chunk is built off the request
     second = eng.generate(msgs, max_new_tokens=2)  # now its KV existed before the request
     n_pad = second.image_tokens_reused
     assert second.vision_tower_runs == 0 and n_pad > 0 and second.usage.cached_tokens == n_pad + 1
@@ -116,6 +121,7 @@ def test_inline_images_are_released_when_their_request_ends(engine):
     msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]}]
     before = engine.stats()
     engine.generate(msgs, max_new_tokens=1)
+    engine.run_background()  # first sight: its chunk is built off the request path
     mid = engine.stats()
     assert mid["registered_images"] == before["registered_images"]
     assert mid["image_store_bytes"] == before["image_store_bytes"]

@@ -421,8 +421,9 @@ def _reused_by_kind_reference(engine, plan, prefill, fresh) -> dict[str, int]:
 
 def test_reused_counts_equal_the_per_token_count(engine, monkeypatch):
     """usage.cached_tokens and the per-kind counts, for turns with a skill, an image spliced twice,
-    a prefix hit over both, an inline image precompiled by the request itself (fresh: computed,
-    not reused) and an in_place edit's scattered ranges: equal to the token-by-token count."""
+    a prefix hit over both, an inline image precompiled by the request itself (first sight off;
+    fresh: computed, not reused), an in_place edit's scattered ranges and an inline image computed
+    in context on first sight after a prefix hit: equal to the token-by-token count."""
     cls = type(engine)
     real, seen = cls._reused_by_kind, []
 
@@ -443,11 +444,18 @@ def test_reused_counts_equal_the_per_token_count(engine, monkeypatch):
     engine.generate(chat, max_new_tokens=1, tenant=tenant)
     chat += [{"role": "assistant", "content": "a shape"},
              {"role": "user", "content": [{"type": "text", "text": "and these ?"}, image, inline]}]
+    monkeypatch.setattr(engine.first_sight, "enabled", False)
     engine.generate(chat, max_new_tokens=1, tenant=tenant)
+    monkeypatch.setattr(engine.first_sight, "enabled", True)
     engine.generate(_edit_pair("pending"), max_new_tokens=1, tenant=tenant)
     engine.generate(_edit_pair("shipped"), max_new_tokens=1, tenant=tenant, edit_policy="in_place")
-    assert len(seen) == 4 and any(fresh for _, fresh in seen)
+    chat += [{"role": "assistant", "content": "two shapes"},
+             {"role": "user", "content": [{"type": "text", "text": "and this ?"}, {"type": "image_url", "image_url": {
+                 "url": "data:image/png;base64," + base64.b64encode(make_png(56, 84, seed=23)).decode()}}]}]
+    assert engine.generate(chat, max_new_tokens=1, tenant=tenant).images_in_context == 1
+    assert len(seen) == 5 and any(fresh for _, fresh in seen)
     assert all(seen[1][0][k] > 0 for k in ("image", "skill", "prefix", "all"))
+    assert seen[4][0]["prefix"] > 0 and seen[4][0]["image"] > 0  # the earlier turns' images, in the prefix hit
 
 
 def test_read_blocks_equals_each_blocks_own_kv_across_references_and_copies(engine):

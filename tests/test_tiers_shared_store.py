@@ -178,6 +178,7 @@ def test_inline_image_kv_stays_on_its_server_and_an_upload_shares_it(model_dir, 
     url = redis_server.url()
     a = Engine.from_pretrained(model_dir, store_dir=tmp_path / "a", redis_url=url)
     first = a.generate(inline(3), max_new_tokens=1)
+    a.run_background()  # first sight: its chunk is built off the request path, then written through
     a.tiers.flush()
     client = redis.Redis.from_url(url)
     assert first.vision_tower_runs == 1 and client.keys("mmkv:*:kv:*") == []

@@ -58,9 +58,12 @@ def nothing():
 def test_answer_does_not_wait_and_the_write_lands(model_dir, tmp_path):
     engine = Engine.from_pretrained(model_dir, store_dir=tmp_path)
     gate = Gate(engine.tiers.writer)
-    got = engine.generate(inline(1), max_new_tokens=2)  # a first-time image: precompiled, queued
-    assert got.vision_tower_runs == 1 and got.finish_reason in ("stop", "length")
-    assert gate.started.wait(30) and gate.keys == []  # answered while its write was still held
+    got = engine.generate(inline(1), max_new_tokens=2)  # a first-time image: computed in context
+    assert got.vision_tower_runs == 1 and got.images_in_context == 1 and got.finish_reason in ("stop", "length")
+    assert engine.run_background().built == 1  # its chunk built off the request path, its write queued
+    assert gate.started.wait(30) and gate.keys == []
+    spliced = engine.generate(inline(1), max_new_tokens=2)  # answered while its write was still held
+    assert spliced.vision_tower_runs == 0 and spliced.image_tokens_reused > 0
     assert engine.stats()["disk_writes"] == 0
     gate.open.set()
     engine.close()  # flushes
@@ -69,7 +72,7 @@ def test_answer_does_not_wait_and_the_write_lands(model_dir, tmp_path):
     try:
         hit = again.generate(inline(1), max_new_tokens=2)
         assert hit.vision_tower_runs == 0 and again.stats()["disk_hits"] == 1
-        torch.testing.assert_close(hit.first_logits, got.first_logits, atol=1e-6, rtol=0)
+        torch.testing.assert_close(hit.first_logits, spliced.first_logits, atol=1e-6, rtol=0)
     finally:
         again.close()
 

@@ -755,14 +755,13 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
     the last `window` screenshots (0: all), dropping them `drop_chunk` at a time; the arms
     interleaved turn by turn (`AGENT_ARMS`), each session `repeats` times with fresh caches: full
     recompute, exact-prefix caching and encoder cache + prefix caching (mechanism level,
-    PrefixCacheArm), mmkv exact (`Engine.generate` end to end; a new screenshot is uploaded in its
-    turn, `add_image` timed as part of that turn), mmkv composed (the same under `history_policy`
-    "compose", in its own tenant; its next token checked against full recompute's: `agreement`) and
-    the limit (`_limit_turn`). Every caching arm
+    PrefixCacheArm), mmkv exact (`Engine.generate` end to end, screenshots sent inline: `_mmkv_turn`),
+    mmkv composed (the same under `history_policy` "compose", in its own tenant; its next token
+    checked against full recompute's: `agreement`) and the limit (`_limit_turn`). Every caching arm
     is first served one turn of an earlier session (the shared system prompt, untimed), as a server
     would have been. Each mmkv turn's reused tokens are checked against what the plan says: the
     longest block prefix of an earlier prompt, plus the spliced chunks after it (all but each seam
-    token)."""
+    token; a screenshot new in the turn is computed in context, first sight)."""
     from mmkv.engine import image_id_for
     from mmkv.request.splice import splice_layout
 
@@ -793,7 +792,7 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
         for arm in list(mechanism.values())[1:]:
             arm.turn(*warm_prompt)
         history = [engine.splice_plan(warm, tenant=tenant)]
-        rows = []
+        rows, shots = [], {}  # the screenshots the mmkv client has prepared, by file id
         for t, (turn, p) in enumerate(zip(script, prompts)):
             new_png = pngs[turn.new_screenshot] if turn.new_screenshot is not None else None
             got = {}
@@ -802,15 +801,20 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
                 if arm in mechanism:
                     got[arm] = mechanism[arm].turn(p.ids, p.positions, p.keys, p.images)
                 elif arm == "mmkv exact":
-                    got[arm] = _mmkv_turn(engine, p.messages, tenant, new_png)
+                    got[arm] = _mmkv_turn(engine, p.messages, tenant, shots, new_png and (
+                        file_ids[turn.new_screenshot], new_png))
                 elif arm == "mmkv composed":
-                    got[arm] = _mmkv_turn(engine, p.messages, composed, new_png, history_policy="compose")
+                    got[arm] = _mmkv_turn(engine, p.messages, composed, shots, new_png and (
+                        file_ids[turn.new_screenshot], new_png), history_policy="compose")
                 else:
                     got[arm] = _limit_turn(ad, text, new_png, p.ids.numel(), p.new_tokens)
-            plan = engine.splice_plan(p.messages, tenant=tenant)
+            plan = engine.splice_plan(_inline(p.messages, shots), tenant=tenant)  # every chunk built by now
             hit = max(_common_prefix(_chunk_token_keys(h), _chunk_token_keys(plan)) for h in history)
             hit = min(hit, p.ids.numel() - 1) // BLOCK * BLOCK
-            spliced = sum(b - a for _, a, b in splice_layout(plan.placements, p.ids.numel(), hit, SEAM).reused)
+            images = sorted((c for c in plan.placements if c.entry.kind == "image"), key=lambda c: c.start)
+            seen_now = {c.entry.key for c, i in zip(images, p.images) if i == turn.new_screenshot}
+            spliced = sum(b - a for c, a, b in splice_layout(plan.placements, p.ids.numel(), hit, SEAM).reused
+                          if c.entry.key not in seen_now)
             history.append(plan)
             rows.append({"turn": t + 1, "events": turn.events(), "prompt_tokens": int(p.ids.numel()),
                          "new_tokens": p.new_tokens, "screenshots": len(p.images), "dropped": p.dropped,
@@ -819,7 +823,20 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
     return {"turns": turns, "seed": seed, "repeats": repeats, "image_tokens": image_tokens, "window": window,
             "drop_chunk": drop_chunk, "skill_tokens": engine.skill_info(skill_id, tenant=skill_tenant).tokens,
             "script": [asdict(t) for t in script], "summary": _agent_summary(sessions),
-            "agreement": _agent_agreement(sessions), "sessions": sessions}
+            "agreement": _agent_agreement(sessions), "per_turn": _agent_per_turn(sessions), "sessions": sessions}
+
+
+def _agent_per_turn(sessions: list[list[dict]]) -> list[dict]:
+    """Per turn, medians over the sessions: mmkv exact against exact-prefix caching (wall and CPU
+    time to the first token) and the background build that followed the turn, untimed in it."""
+    out = []
+    for rows in zip(*sessions):
+        mmkv, prefix = ([row["arms"][arm] for row in rows] for arm in ("mmkv exact", "exact-prefix caching"))
+        med = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
+        out.append({"turn": rows[0]["turn"], "mmkv_over_prefix_ms": med(mmkv, "ms") / med(prefix, "ms"),
+                    "mmkv_over_prefix_cpu": med(mmkv, "cpu_ms") / med(prefix, "cpu_ms"),
+                    "background_ms": med(mmkv, "background_ms"), "background_tokens": med(mmkv, "background_tokens")})
+    return out
 
 
 def _agent_summary(sessions: list[list[dict]]) -> list[dict]:
@@ -854,22 +871,31 @@ def _agent_agreement(sessions: list[list[dict]]) -> dict:
     return out
 
 
-def _mmkv_turn(engine, msgs, tenant: str, new_png: bytes | None, **kwargs) -> dict:
-    """One mmkv turn: the new screenshot uploaded (vision tower, isolated prefill), then
-    `Engine.generate` (`first_token`, with `kwargs`); its time is the upload's plus the generation's
-    TTFT."""
-    c0 = time.process_time()
-    before = engine.stats()["prefill_tokens"]
-    t0 = time.perf_counter()
-    if new_png is not None:
-        engine.add_image(new_png, tenant=tenant)
-    upload_s, upload_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    precompiled = engine.stats()["prefill_tokens"] - before
-    r, cpu_s, _ = first_token(engine, msgs, tenant=tenant, **kwargs)
-    return {"ms": (upload_s + r.ttft_s) * 1e3, "cpu_ms": (upload_cpu_s + cpu_s) * 1e3,
-            "computed_tokens": r.lm_tokens_computed + precompiled, "vision_runs": r.vision_tower_runs + int(bool(new_png)),
-            "reused_tokens": r.usage.cached_tokens, "next_token": int(r.first_logits.argmax()),
+def _mmkv_turn(engine, msgs, tenant: str, shots: dict, new: tuple[str, bytes] | None, **kwargs) -> dict:
+    """One mmkv turn as an agent sends it, every screenshot inline: the new one decoded, hashed and
+    preprocessed in the turn (`prepare_image`, timed with it), the earlier ones as the client
+    prepared them (`shots`, by file id), then `Engine.generate` to the first token (`first_token`,
+    with `kwargs`): the new screenshot is computed in context (first sight). Then, untimed, the
+    background build of its reusable chunk (`run_background`: the agent's environment step is idle
+    time), whose duration the turn reports."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    if new is not None:
+        shots[new[0]] = engine.prepare_image(new[1])
+    prepare_s, prepare_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    r, cpu_s, _ = first_token(engine, _inline(msgs, shots), tenant=tenant, **kwargs)
+    built = engine.run_background()
+    return {"ms": (prepare_s + r.ttft_s) * 1e3, "cpu_ms": (prepare_cpu_s + cpu_s) * 1e3,
+            "computed_tokens": r.lm_tokens_computed, "vision_runs": r.vision_tower_runs,
+            "reused_tokens": r.usage.cached_tokens, "background_ms": built.seconds * 1e3,
+            "background_tokens": built.tokens, "next_token": int(r.first_logits.argmax()),
             "composed_tokens": r.history.composed_tokens if r.history else 0}
+
+
+def _inline(msgs: list[dict], shots: dict) -> list[dict]:
+    """`msgs` with each image_file part replaced by the prepared screenshot, sent inline."""
+    return [{**m, "content": [{"type": "image", "image": shots[part["image_file"]["file_id"]]}
+                              if part.get("type") == "image_file" else part for part in m["content"]]}
+            if isinstance(m["content"], list) else m for m in msgs]
 
 
 def _limit_turn(adapter, text: TextContext, new_png: bytes | None, n: int, q: int) -> dict:

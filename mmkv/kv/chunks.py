@@ -54,6 +54,7 @@ class CachedChunk:
     pad_offset: int = 1  # index of the first pad among the chunk's tokens (its pads are contiguous)
     sources: frozenset[str] = frozenset()  # turn chunks: every chunk their KV attended to (purged with any)
     parent = None  # chunks are never inner nodes of the prefix tree
+    in_context = False  # a cached chunk is spliced; a first-sight image (mmkv.request.first_sight) is computed
 
     def __post_init__(self):
         n = self.token_ids.numel()

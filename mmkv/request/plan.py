@@ -282,14 +282,16 @@ class Planner:
     def plan(self, input_ids: torch.Tensor, spans: list[tuple[int, CachedChunk]], policy: str,
              native: torch.Tensor | None = None) -> SplicePlan:
         """Native positions for the prompt (given, or those of its image chunks), then each chunk
-        placed at its policy's target."""
+        placed at its policy's target (a first-sight image, computed in context, at its native
+        positions)."""
         if native is None:
             native = self.adapter.native_positions(input_ids, [c.grid_thw for _, c in spans if c.kind == "image"])
         positions = native.clone()
         placements, keys = [], [None] * input_ids.numel()
         for start, chunk in spans:
             end = start + chunk.num_tokens
-            target = target_positions(native[:, start:end], chunk.position_ids, policy)
+            target = native[:, start:end] if chunk.in_context else target_positions(
+                native[:, start:end], chunk.position_ids, policy)
             placements.append(Placement(start, chunk, target))
             positions[:, start:end] = target
             keys[start:end] = [chunk.key] * chunk.num_tokens

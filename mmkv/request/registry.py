@@ -128,6 +128,8 @@ class Registries:
         self.vision_tower_runs = 0
         self.precompiled_tokens = 0  # anchor + chunk tokens of every precompile
         self.videos = VideoRegistry(self, settings.video_limits, settings.video_store_bytes)
+        # a chunk key's visual features held by a pending background build (the engine sets it)
+        self.pending_features: Callable[[str], ImageFeatures | None] = lambda key: None
 
     # ---- images ----------------------------------------------------------------------------------
     def prepare_image(self, data) -> PreparedImage:
@@ -245,13 +247,14 @@ class Registries:
         reg.pixel_values = None
         return features
 
-    def _cached_chunk(self, key: str, kind: str, precompile: Callable[[], CachedChunk],
+    def _cached_chunk(self, key: str, kind: str, precompile: Callable[[], CachedChunk] | None,
                       durable: Callable[[], str] | None = None, shared: bool = True,
-                      publish: bool = False) -> CachedChunk:
+                      publish: bool = False) -> CachedChunk | None:
         """The chunk under `key`; on a RAM miss the lower tiers are asked (under the durable key
         `durable()` gives: mmkv/store/tiers.py), and only then `precompile()` builds it (counted, stored,
-        written through to the disk and, when `shared`, the shared tier). `publish`: write it
-        through even when it was found (an image uploaded after an inline use, a skill added again)."""
+        written through to the disk and, when `shared`, the shared tier); None when every tier
+        misses and `precompile` is None. `publish`: write it through even when it was found (an
+        image uploaded after an inline use, a skill added again)."""
         entry = self.cache.get(key, kind)
         want_tiers = self.tiers is not None and durable is not None and (entry is None or publish)
         stored = durable() if want_tiers else None
@@ -261,6 +264,8 @@ class Registries:
                 entry = loaded[0]
                 self.cache.put(entry)
         fresh = entry is None
+        if fresh and precompile is None:
+            return None
         if fresh:
             entry = precompile()
             self.precompiled_tokens += self.anchor_ids.numel() + entry.num_tokens
@@ -270,14 +275,39 @@ class Registries:
             self.tiers.store(stored, entry, shared=shared)
         return entry
 
-    def image_chunk(self, reg: RegisteredImage, tenant: str, publish: bool = False) -> CachedChunk:
-        """The image's cached KV, precompiled (vision tower + isolated LM prefill) on a miss. Only an
-        uploaded image's KV goes to the shared tier: an inline one's stays on this server."""
+    def image_chunk(self, reg: RegisteredImage, tenant: str, publish: bool = False,
+                    build: bool = True) -> CachedChunk | None:
+        """The image's cached KV, precompiled (vision tower + isolated LM prefill) on a miss, from
+        the features a pending background build holds when there is one (`pending_features`: the
+        tower ran already); with `build` False, None on a miss (a first sight:
+        mmkv.request.first_sight). Only an uploaded image's KV goes to the shared tier: an inline
+        one's stays on this server."""
         key = self.image_key(reg, tenant)
-        return self._cached_chunk(key, "image", lambda: precompile_image(
-            self.adapter, self.encode(reg), reg.grid_thw, key, self.anchor_ids),
-            durable=lambda: self.durable_key("image", image_source_digest(reg.source), tenant),
-            shared=reg.uploaded, publish=publish)
+
+        def precompile() -> CachedChunk:
+            features = self.pending_features(key)
+            features = self.encode(reg) if features is None else features
+            return precompile_image(self.adapter, features, reg.grid_thw, key, self.anchor_ids)
+        return self._cached_chunk(key, "image", precompile if build else None,
+                                  durable=lambda: self.image_durable_key(reg, tenant), shared=reg.uploaded,
+                                  publish=publish)
+
+    def image_durable_key(self, reg: RegisteredImage, tenant: str) -> str:
+        return self.durable_key("image", image_source_digest(reg.source), tenant)
+
+    def store_built(self, entry: CachedChunk, tenant: str, image_id: str, durable: str | None) -> bool:
+        """A chunk built off the request path (mmkv.request.first_sight) stored as a precompile's
+        would be: counted, in the RAM store, written through to the lower tiers (to the shared
+        tier only while the image is an upload). False, and nothing stored, when the store
+        already holds a chunk under its key (an upload precompiled it meanwhile)."""
+        if entry.key in self.cache:
+            return False
+        self.precompiled_tokens += self.anchor_ids.numel() + entry.num_tokens
+        self.cache.put(entry)
+        if self.tiers is not None and durable is not None:
+            reg = self.images.get((tenant, image_id))
+            self.tiers.store(durable, entry, shared=reg is not None and reg.uploaded)
+        return True
 
     # ---- skills ----------------------------------------------------------------------------------
     def add_skill(self, name: str, text: str, tenant: str) -> str:

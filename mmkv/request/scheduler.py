@@ -155,7 +155,7 @@ class Scheduler:
         while True:
             with self._cond:
                 while not (self._waiting or self._prefilling or self._running or self._stopping
-                           or (self.shadow is not None and self.shadow.pending)):
+                           or (self.shadow is not None and self.shadow.pending) or self._builds_pending()):
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -171,10 +171,16 @@ class Scheduler:
                     self._step()
                 elif not (self._prefilling or self._waiting) and self.shadow is not None and self.shadow.pending:
                     self.shadow.step(self.engine._lock)  # idle: one chunk of a fidelity shadow
+                elif not (self._prefilling or self._waiting) and self._builds_pending():
+                    self.engine.run_background(self.prefill_chunk or None)  # idle, lowest: a first-sight build
             except BaseException as exc:  # noqa: BLE001 - a fault outside any one request's stages
                 log.exception("scheduler turn failed; failing the requests in flight")
                 self._fail_in_flight(exc)
         self._shut_down()
+
+    def _builds_pending(self) -> bool:
+        """First-sight chunk builds wait (mmkv.request.first_sight): idle turns run them, after the shadows."""
+        return self.engine.first_sight.builds.pending > 0
 
     def _fail_in_flight(self, exc: BaseException) -> None:
         """Fail the prefilling and running requests and start the batch afresh: the loop goes on

@@ -98,12 +98,18 @@ def precompile_chunk(adapter: VLAdapter, kind: str, token_ids: torch.Tensor, key
     positions = adapter.native_positions(ids, [grid_thw] if grid_thw else [])
     cache = adapter.new_cache()
     adapter.forward(ids, positions, cache, features)
-    a = anchor_ids.numel()
+    return isolated_chunk(adapter, cache, positions, anchor_ids.numel(), kind, token_ids, key, features, grid_thw)
+
+
+def isolated_chunk(adapter: VLAdapter, cache: DynamicCache, positions: torch.Tensor, anchor: int, kind: str,
+                   token_ids: torch.Tensor, key: str, features: ImageFeatures | None = None,
+                   grid_thw=None) -> CachedChunk:
+    """The chunk out of a cache holding its isolated prefill (`anchor` tokens first, their KV dropped)."""
     layers = cache.layers[: adapter.num_layers]
     return CachedChunk(
-        key=key, kind=kind, token_ids=token_ids, position_ids=positions[:, a:].clone(),
-        keys=tuple(layer.keys[0, :, a:].clone() for layer in layers),
-        values=tuple(layer.values[0, :, a:].clone() for layer in layers),
+        key=key, kind=kind, token_ids=token_ids, position_ids=positions[:, anchor:].clone(),
+        keys=tuple(layer.keys[0, :, anchor:].clone() for layer in layers),
+        values=tuple(layer.values[0, :, anchor:].clone() for layer in layers),
         features=features, grid_thw=tuple(grid_thw) if grid_thw else None,
     )
 
@@ -125,7 +131,7 @@ def pad_features(entry: CachedChunk, start: int, stop: int) -> ImageFeatures | N
 
 def splice_layout(placements: list[Placement], total: int, start: int, seam_tokens: int) -> SpliceLayout:
     """Tokens [0, start) are cached already. Each chunk's first `seam_tokens` tokens are computed
-    and the rest reused; a chunk that ends the prompt keeps its last token computed, so the
+    and the rest reused (a first-sight image, `in_context`, is computed whole); a chunk that ends the prompt keeps its last token computed, so the
     prompt's last logits always come from the model. Everything else is computed text."""
     cursor, computed, reused = start, [], []
     for p in sorted(placements, key=lambda p: p.start):
@@ -135,7 +141,7 @@ def splice_layout(placements: list[Placement], total: int, start: int, seam_toke
             computed.append((cursor, p.start))
         n = p.entry.num_tokens
         keep_end = n - 1 if p.end == total else n
-        seam = min(seam_tokens, keep_end)
+        seam = keep_end if p.entry.in_context else min(seam_tokens, keep_end)  # first sight: all computed
         first = max(cursor - p.start, 0)  # chunk tokens already in the cache
         if first < seam:
             computed.append((p.start + first, p.start + seam))
