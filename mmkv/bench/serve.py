@@ -1,0 +1,459 @@
+"""`mmkv bench-serve`: online serving under load, as the paper measured it on vLLM (V1 engine,
+continuous batching, automatic prefix caching, Poisson arrivals at a controlled offered load, a
+shared long policy with one mutable field), here on mmkv's own HTTP server.
+
+The server is the app `mmkv serve` runs (uvicorn on loopback, continuous batching, the prefix
+cache), on a random model of a built-in config or a local checkpoint; the clients run in another
+process and send each request at its Poisson arrival time, streamed, timing the first content
+token (TTFT) and the end. Arms:
+- in-place: every request carries the policy with the field's new value written into it, before
+  the policy's text: exact-prefix caching's only option, so everything after the field is
+  recomputed (the server's default edit policy, `recompute`, is exact-prefix caching's rule);
+- erratum: the policy keeps the field's first value and the request appends the new one as a
+  `state_update` part (an erratum line): the policy stays a prefix-cache hit;
+- agent: windowed agent sessions (`agent_script`, `agent_messages` of `mmkv bench --modes agent`):
+  a spliced skill, new screenshots, earlier ones shown again, the client keeping the last
+  `--window` screenshots; screenshots travel inline (data: URLs), as agents send them.
+
+The in-place arm's saturation (its throughput with every request sent at once) is measured first;
+the offered rates are fractions of it (`--rates`), and every arm also runs unthrottled. Per arm
+and rate: p50 / p90 / p99 TTFT, requests and completion tokens per second, the prefix-cache hit
+rate (prompt tokens served from the prefix cache over prompt tokens looked up, from the server's
+/metrics, as vLLM's `gpu_prefix_cache_hits / queries`) and the cached share (usage's
+`cached_tokens` over `prompt_tokens`: splices included).
+
+`write_aiperf_dataset` writes aiperf's single_turn JSONL with repeated screenshots (aiperf's own
+synthetic images are unique per request); docs/bench.md gives the aiperf command.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import typer
+
+ARMS = ("in-place", "erratum", "agent")
+FIELD = "order_status"
+FIRST_VALUE = "pending"
+POLICY_SENTENCE = "refunds need a delivered order and a damage report within thirty days . "
+QUESTION = "refund or escalate ?"
+PERCENTILES = (50, 90, 99)
+
+
+# ---- arrivals ----------------------------------------------------------------------------------------
+def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
+    """The first `n` arrival times (seconds from the start) of a Poisson process of `rate` requests
+    per second: cumulative sums of exponential gaps of mean 1 / rate, from a seeded generator."""
+    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate must be a positive number of requests per second, got {rate!r}")
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n)).tolist()
+
+
+# ---- the arms' requests ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AgentSessions:
+    """Windowed agent sessions: each its seeded script and its screenshots as data: URLs."""
+
+    scripts: list[list]  # per session, its AgentTurns
+    screenshots: list[list[str]]  # per session, screenshot index -> data: URL
+    skill_id: str
+    window: int
+    drop_chunk: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every request of a run shares: the model's name, the policy, the completion length
+    (the end tokens banned, so each answer has exactly `tokens` tokens)."""
+
+    model: str
+    policy: str
+    tokens: int
+    end_ids: tuple[int, ...]
+
+    def chat(self, messages: list[dict]) -> dict:
+        return {"model": self.model, "messages": messages, "max_tokens": self.tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True},
+                "logit_bias": {str(t): -100 for t in self.end_ids}}
+
+    def in_place(self, value: str) -> dict:
+        """The field's new value written into the policy (the prefix after it changes)."""
+        return self.chat([{"role": "system", "content": f"{FIELD}: {value}\n" + self.policy},
+                          {"role": "user", "content": QUESTION}])
+
+    def erratum(self, value: str) -> dict:
+        """The policy as first sent, the new value appended as an erratum."""
+        return self.chat([{"role": "system", "content": f"{FIELD}: {FIRST_VALUE}\n" + self.policy},
+                          {"role": "user", "content": [{"type": "state_update", "field": FIELD, "value": value},
+                                                       {"type": "text", "text": QUESTION}]}])
+
+    def agent(self, sessions: AgentSessions, session: int, turn: int) -> dict:
+        """Turn `turn` of agent session `session`, the client's window applied, screenshots inline."""
+        from mmkv.bench.run import agent_messages
+
+        shots = sessions.screenshots[session]
+        msgs = agent_messages(sessions.scripts[session], turn, sessions.skill_id, shots, sessions.window,
+                              sessions.drop_chunk)
+        return self.chat([_inline_images(m) for m in msgs])
+
+
+def _inline_images(message: dict) -> dict:
+    """image_file parts whose file_id is a data: URL, as image_url parts."""
+    if not isinstance(message["content"], list):
+        return message
+    parts = [{"type": "image_url", "image_url": {"url": p["image_file"]["file_id"]}} if p["type"] == "image_file"
+             else p for p in message["content"]]
+    return {**message, "content": parts}
+
+
+def data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def arm_bodies(arm: str, workload: Workload, n: int, tag: str, sessions: AgentSessions | None = None) -> list[dict]:
+    """The `n` requests of one cell, in arrival order. in-place / erratum: the field's value is new
+    in every request (`tag` keeps values of different cells apart, so no cell hits another's
+    prefix). agent: request k is the next turn of session k mod S."""
+    if arm == "in-place":
+        return [workload.in_place(f"{tag}-{k}") for k in range(n)]
+    if arm == "erratum":
+        return [workload.erratum(f"{tag}-{k}") for k in range(n)]
+    if arm == "agent":
+        s = len(sessions.scripts)
+        return [workload.agent(sessions, k % s, k // s) for k in range(n)]
+    raise ValueError(f"unknown arm {arm!r}; expected one of {', '.join(ARMS)}")
+
+
+# ---- the clients (another process) ---------------------------------------------------------------------
+def _one(url: str, offset: float, body: dict, t0: float, out: list, i: int) -> None:
+    """Send `body` at t0 + offset, streamed: its times from t0 and its usage, or its error."""
+    import httpx
+
+    time.sleep(max(0.0, t0 + offset - time.perf_counter()))
+    sent = time.perf_counter()
+    rec = {"offset": offset, "sent": sent - t0, "ttft": None, "end": None, "usage": None, "error": None}
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as r:
+            if r.status_code != 200:
+                rec["error"] = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:200]}"
+            else:
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        rec["error"] = json.dumps(event["error"])[:200]
+                    elif rec["ttft"] is None and event.get("choices") and event["choices"][0]["delta"].get("content"):
+                        rec["ttft"] = time.perf_counter() - sent
+                    if event.get("usage"):
+                        rec["usage"] = event["usage"]
+    except httpx.HTTPError as exc:
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+    rec["end"] = time.perf_counter() - t0
+    out[i] = rec
+
+
+def run_schedule(url: str, schedule: list[tuple[float, dict]]) -> list[dict]:
+    """In the client process: each (offset, body) sent at its offset on its own thread."""
+    out: list = [None] * len(schedule)
+    t0 = time.perf_counter() + 0.2  # every thread started before the first arrival
+    threads = [threading.Thread(target=_one, args=(url, offset, body, t0, out, i))
+               for i, (offset, body) in enumerate(schedule)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def _clients(url: str, schedule: list[tuple[float, dict]]) -> list[dict]:
+    code = ("import json, sys; from mmkv.bench.serve import run_schedule; "
+            "url, schedule = json.load(sys.stdin); print(json.dumps(run_schedule(url, schedule)))")
+    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps([url, schedule]), capture_output=True,
+                          text=True, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"the client process failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout)
+
+
+# ---- one cell ------------------------------------------------------------------------------------------
+def _prefix_counters(url: str) -> tuple[float, float]:
+    """(prefix-cache hit tokens, query tokens) from the server's /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    got = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            got[sample.name.removesuffix("_total")] = sample.value
+    return got.get("mmkv:prefix_cache_hits_tokens", 0.0), got.get("mmkv:prefix_cache_queries_tokens", 0.0)
+
+
+@dataclass
+class Cell:
+    arm: str
+    rate: float | None  # offered requests per second; None: unthrottled (every request at once)
+    fraction: float | None  # the rate over the in-place arm's saturation
+    requests: int
+    errors: int
+    ttft_ms: dict  # percentile -> ms
+    req_s: float
+    tokens_s: float
+    prefix_hit: float  # prefix-cache hit tokens / query tokens, from /metrics
+    cached_share: float  # usage: cached_tokens / prompt_tokens
+    records: list = field(default_factory=list)
+
+
+def run_cell(url: str, arm: str, bodies: list[dict], rate: float | None, fraction: float | None,
+             seed: int) -> Cell:
+    offsets = poisson_arrivals(rate, len(bodies), seed) if rate else [0.0] * len(bodies)
+    hits0, queries0 = _prefix_counters(url)
+    records = _clients(url, list(zip(offsets, bodies)))
+    hits1, queries1 = _prefix_counters(url)
+    ok = [r for r in records if r["error"] is None and r["ttft"] is not None]
+    ttfts = np.array([r["ttft"] for r in ok]) * 1e3
+    span = max((r["end"] for r in ok), default=0.0)  # from the schedule's start
+    prompt = sum(r["usage"]["prompt_tokens"] for r in ok if r["usage"])
+    cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in ok if r["usage"])
+    completion = sum(r["usage"]["completion_tokens"] for r in ok if r["usage"])
+    return Cell(arm, rate, fraction, len(bodies), len(records) - len(ok),
+                {p: float(np.percentile(ttfts, p)) if len(ttfts) else math.nan for p in PERCENTILES},
+                len(ok) / span if span else 0.0, completion / span if span else 0.0,
+                (hits1 - hits0) / (queries1 - queries0) if queries1 > queries0 else 0.0,
+                cached / prompt if prompt else 0.0, records)
+
+
+# ---- the run -------------------------------------------------------------------------------------------
+@dataclass
+class Settings:
+    arms: tuple[str, ...] = ARMS
+    fractions: tuple[float, ...] = (0.5, 1.0, 1.5)
+    requests: int = 12  # per cell
+    saturation_requests: int = 12
+    policy_tokens: int = 512
+    tokens: int = 8
+    image_tokens: int = 64
+    skill_tokens: int = 256
+    sessions: int = 2
+    window: int = 3
+    drop_chunk: int = 1
+    seed: int = 0
+
+
+def _agent_sessions(engine, url: str, settings: Settings, turns: int, first_variant: int) -> AgentSessions:
+    """`settings.sessions` new sessions of `turns` turns each (scripts seeded apart, screenshots of
+    their own), their skill created on the server."""
+    import httpx
+
+    from mmkv.bench.run import SKILL_SENTENCE, _picture, _text_of, agent_script
+
+    scripts = [agent_script(max(turns, 3), settings.seed + first_variant + s) for s in range(settings.sessions)]
+    shots, variant = [], first_variant
+    for script in scripts:
+        count = sum(t.new_screenshot is not None for t in script)
+        shots.append([data_url(_picture(engine, settings.image_tokens, variant=variant + i)) for i in range(count)])
+        variant += count
+    text = _text_of(engine.adapter.tokenizer, settings.skill_tokens, SKILL_SENTENCE)
+    r = httpx.post(f"{url}/v1/skills", json={"name": "agent-spec", "text": text}, timeout=600)
+    r.raise_for_status()
+    return AgentSessions(scripts, shots, r.json()["id"], settings.window, settings.drop_chunk)
+
+
+class Bench:
+    """One server, the cells run against it; each cell's requests new to the server (field values,
+    screenshots) but the shared policy and skill, which are warmed once."""
+
+    def __init__(self, engine, url: str, settings: Settings):
+        from mmkv.bench.run import _text_of
+
+        self.engine, self.url, self.settings = engine, url, settings
+        policy = _text_of(engine.adapter.tokenizer, settings.policy_tokens, POLICY_SENTENCE)
+        self.workload = Workload(engine.model_id, policy, settings.tokens, tuple(sorted(engine.stop_ids)))
+        self.cells = 0
+        self.variants = 0  # screenshot variants used so far
+
+    def bodies(self, arm: str, n: int) -> list[dict]:
+        self.cells += 1
+        sessions = None
+        if arm == "agent":
+            turns = -(-n // self.settings.sessions)
+            sessions = _agent_sessions(self.engine, self.url, self.settings, turns, self.variants)
+            self.variants += sum(len(s) for s in sessions.screenshots)
+        return arm_bodies(arm, self.workload, n, f"c{self.cells}", sessions)
+
+    def warm(self) -> None:
+        """The policy's prefix cached (the erratum arm's first request would do it), the server's
+        code paths run once."""
+        _clients(self.url, [(0.0, b) for arm in self.settings.arms for b in self.bodies(arm, 1)])
+
+    def cell(self, arm: str, n: int, rate: float | None, fraction: float | None, seed: int) -> Cell:
+        return run_cell(self.url, arm, self.bodies(arm, n), rate, fraction, seed)
+
+
+def run_bench_serve(engine, settings: Settings, show=print) -> dict:
+    """Saturation first (every arm unthrottled; the in-place arm's throughput sets the rates), then
+    each offered rate, arms in rotating order. `show` gets each table line as it is measured."""
+    from mmkv.bench.concurrency import _server, _stop
+
+    server = _server(engine, 8, max_queue=max(256, settings.requests, settings.saturation_requests))
+    url = server[2]
+    cells: list[Cell] = []
+    try:
+        bench = Bench(engine, url, settings)
+        bench.warm()
+        show(HEADER)
+        for arm in settings.arms:
+            cells.append(bench.cell(arm, settings.saturation_requests, None, None, settings.seed))
+            show(format_cell(cells[-1]))
+        saturation = next((c.req_s for c in cells if c.arm == "in-place"), cells[0].req_s)
+        for i, fraction in enumerate(settings.fractions):
+            k = i % len(settings.arms)
+            for arm in settings.arms[k:] + settings.arms[:k]:
+                # every arm of a rate gets the same arrival times
+                cells.append(bench.cell(arm, settings.requests, fraction * saturation, fraction, settings.seed + i))
+                show(format_cell(cells[-1]))
+    finally:
+        _stop({"server": server})
+    return {"settings": asdict(settings), "saturation_req_s": saturation, "cells": [asdict(c) for c in cells]}
+
+
+# ---- report --------------------------------------------------------------------------------------------
+HEADER = ("| offered req/s | x in-place saturation | arm | requests (errors) | p50 TTFT ms | p90 TTFT ms | "
+          "p99 TTFT ms | req/s | tokens/s | prefix-cache hit | cached share |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def format_cell(c: Cell | dict) -> str:
+    c = asdict(c) if isinstance(c, Cell) else c
+    rate = "unthrottled" if c["rate"] is None else f"{c['rate']:.2f}"
+    fraction = "-" if c["fraction"] is None else f"{c['fraction']:.2f}x"
+    t = c["ttft_ms"]
+    return (f"| {rate} | {fraction} | {c['arm']} | {c['requests']} ({c['errors']}) | {t[50]:.0f} | {t[90]:.0f} | "
+            f"{t[99]:.0f} | {c['req_s']:.2f} | {c['tokens_s']:.1f} | {100 * c['prefix_hit']:.1f}% | "
+            f"{100 * c['cached_share']:.1f}% |")
+
+
+def compare(report: dict) -> list[str]:
+    """Per offered rate: the in-place arm's p90 TTFT over the erratum's, the erratum's throughput
+    over the in-place's; and whether the erratum leads on both at every rate past half of
+    saturation (unthrottled included)."""
+    by = {(c["arm"], c["fraction"]): c for c in report["cells"]}
+    lines = ["| x in-place saturation | p90 TTFT, in-place / erratum | req/s, erratum / in-place |", "|---|---|---|"]
+    ahead = []
+    for fraction in [None, *report["settings"]["fractions"]]:
+        a, b = by.get(("in-place", fraction)), by.get(("erratum", fraction))
+        if a is None or b is None:
+            continue
+        p90 = a["ttft_ms"][90] / b["ttft_ms"][90]
+        thr = b["req_s"] / a["req_s"] if a["req_s"] else math.inf
+        lines.append(f"| {'unthrottled' if fraction is None else f'{fraction:.2f}x'} | {p90:.1f}x | {thr:.2f}x |")
+        if fraction is None or fraction > 0.5:
+            ahead.append(p90 > 1 and thr > 1)
+    if ahead:
+        lines.append(f"\nerratum ahead of in-place on p90 TTFT and throughput at every rate past half of "
+                     f"saturation: {'yes' if all(ahead) else 'no'} ({sum(ahead)} of {len(ahead)} rates)")
+    return lines
+
+
+# ---- aiperf --------------------------------------------------------------------------------------------
+def write_aiperf_dataset(path: Path, engine, n: int, screenshots: int, policy_tokens: int,
+                         image_tokens: int) -> Path:
+    """aiperf's single_turn JSONL: `n` requests, each the shared policy, a step line of its own and
+    one of `screenshots` PNG files (written beside the file) in turn, so each screenshot comes back
+    after other text: exact-prefix caching recomputes it, mmkv splices it."""
+    from mmkv.bench.run import _picture, _text_of
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files = []
+    for i in range(screenshots):
+        f = path.parent / f"screenshot-{i}.png"
+        f.write_bytes(_picture(engine, image_tokens, variant=i))
+        files.append(f)
+    policy = _text_of(engine.adapter.tokenizer, policy_tokens, POLICY_SENTENCE)
+    with path.open("w") as out:
+        for k in range(n):
+            out.write(json.dumps({"text": f"{policy}\nstep {k} : what changed on this screen ?",
+                                  "image": str(files[k % screenshots].resolve())}) + "\n")
+    return path
+
+
+# ---- command -------------------------------------------------------------------------------------------
+def _floats(value: str, flag: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"takes comma-separated numbers, got {value!r}", param_hint=flag) from None
+    if not out or any(not math.isfinite(x) or x <= 0 for x in out):
+        raise typer.BadParameter(f"takes positive numbers, got {value!r}", param_hint=flag)
+    return out
+
+
+def bench_serve_command(
+    model_dir: Annotated[Path | None, typer.Argument(
+        show_default=False, help="Local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint dir (overrides --config).")] = None,
+    config: Annotated[str, typer.Option(help="Random model when no MODEL_DIR: bench (144M) or tiny.")] = "bench",
+    threads: Annotated[int, typer.Option(min=1, help="torch threads of the server.")] = 2,
+    arms: Annotated[str, typer.Option(help=f"Comma-separated, of: {', '.join(ARMS)}.")] = ",".join(ARMS),
+    rates: Annotated[str, typer.Option(help="Offered rates as fractions of the in-place arm's saturation "
+                                            "throughput (measured first).")] = "0.5,1,1.5",
+    requests: Annotated[int, typer.Option(min=2, help="Requests per arm and rate.")] = 12,
+    saturation_requests: Annotated[int, typer.Option(min=2, help="Requests sent at once to measure "
+                                                                 "saturation.")] = 12,
+    policy_tokens: Annotated[int, typer.Option(min=16, help="The shared policy's length in tokens.")] = 512,
+    tokens: Annotated[int, typer.Option(min=1, help="Completion tokens per request (end tokens banned).")] = 8,
+    image_tokens: Annotated[int, typer.Option(min=4, help="agent: tokens per screenshot (a square number).")] = 64,
+    skill_tokens: Annotated[int, typer.Option(min=16, help="agent: the skill's length in tokens.")] = 256,
+    sessions: Annotated[int, typer.Option(min=1, help="agent: sessions interleaved in each cell.")] = 2,
+    window: Annotated[int, typer.Option(min=1, help="agent: screenshots the client keeps.")] = 3,
+    drop_chunk: Annotated[int, typer.Option(min=1, help="agent: screenshots dropped at a time (1 to "
+                                                        "--window).")] = 1,
+    seed: Annotated[int, typer.Option(help="Arrival times' and agent scripts' seed.")] = 0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write every figure (each request too).")] = None,
+) -> None:
+    """TTFT percentiles, throughput and prefix-cache hit rate under Poisson load: the field edited in
+    place, the appended erratum, windowed agents."""
+    chosen = tuple(a.strip() for a in arms.split(",") if a.strip())
+    if not chosen or any(a not in ARMS for a in chosen):
+        raise typer.BadParameter(f"expected some of {', '.join(ARMS)}", param_hint="--arms")
+    if drop_chunk > window:
+        raise typer.BadParameter(f"must be 1 to --window ({window}), got {drop_chunk}", param_hint="--drop-chunk")
+    if config not in ("bench", "tiny"):
+        raise typer.BadParameter("expected bench or tiny", param_hint="--config")
+    settings = Settings(chosen, _floats(rates, "--rates"), requests, saturation_requests, policy_tokens, tokens,
+                        image_tokens, skill_tokens, sessions, window, drop_chunk, seed)
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # idle OpenMP threads sleep (as `mmkv bench`)
+    import torch
+
+    from mmkv.bench.run import build_engine
+
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    engine = build_engine(config, model_dir, "cpu", None, image_tokens)
+    ad = engine.adapter
+    typer.echo(f"# mmkv bench-serve | {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+               f"{threads} threads | model {model_dir or config} ({ad.num_layers} layers) | HTTP on loopback, "
+               f"clients in another process, Poisson arrivals (seed {seed}) | {policy_tokens}-token policy, "
+               f"{tokens} completion tokens, {requests} requests per cell ({saturation_requests} unthrottled) | "
+               f"agent: {sessions} sessions, window {window}, {image_tokens}-token screenshots, "
+               f"{skill_tokens}-token skill")
+    report = run_bench_serve(engine, settings, typer.echo)
+    typer.echo(f"\nin-place saturation: {report['saturation_req_s']:.2f} req/s\n")
+    typer.echo("\n".join(compare(report)))
+    report["wall_s"] = round(time.perf_counter() - t0, 1)
+    typer.echo(f"(bench-serve ran {report['wall_s']:.0f} s)")
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=1))
+        typer.echo(f"wrote {json_out}")
