@@ -144,3 +144,23 @@ def test_bench_serve_end_to_end_on_the_tiny_model(engine):
     assert report["saturation_req_s"] == cells[("in-place", None)]["req_s"] > 0
     assert cells[("erratum", 1.0)]["rate"] == pytest.approx(report["saturation_req_s"])
     assert len(serve.compare(report)) == 5
+
+
+# ---- what aiperf needs of the server ---------------------------------------------------------------------
+def test_head_is_answered_as_get_without_a_body(engine):
+    """aiperf finding: aiperf probes /metrics with HEAD before scraping it, and the server answered
+    405 while that very 405's Allow header listed HEAD with GET. HEAD now answers as GET does (status,
+    headers, no body) wherever GET does, and stays a 405 naming the methods where it does not."""
+    from starlette.testclient import TestClient
+
+    from mmkv.server.app import ServerSettings, create_app
+
+    with TestClient(create_app(engine, ServerSettings())) as client:
+        for path in ("/metrics", "/health", "/v1/models"):
+            got, head = client.get(path), client.head(path)
+            assert head.status_code == got.status_code == 200, path
+            assert head.content == b"" and head.headers["content-type"] == got.headers["content-type"]
+            assert head.headers["x-content-type-options"] == "nosniff"
+        head = client.head("/v1/chat/completions")
+        assert head.status_code == 405 and head.headers["allow"] == "POST" and head.content == b""
+        assert client.head("/v1/files/img-missing").status_code == 404

@@ -29,6 +29,7 @@ synthetic images are unique per request); docs/bench.md gives the aiperf command
 from __future__ import annotations
 
 import base64
+import io
 import json
 import math
 import os
@@ -369,6 +370,9 @@ def compare(report: dict) -> list[str]:
 
 
 # ---- aiperf --------------------------------------------------------------------------------------------
+AIPERF_TOKENIZER = "Qwen/Qwen2.5-VL-7B-Instruct"  # found offline in HF_HUB_CACHE (mmkv.testing.realshape writes it)
+
+
 def write_aiperf_dataset(path: Path, engine, n: int, screenshots: int, policy_tokens: int,
                          image_tokens: int) -> Path:
     """aiperf's single_turn JSONL: `n` requests, each the shared policy, a step line of its own and
@@ -388,6 +392,88 @@ def write_aiperf_dataset(path: Path, engine, n: int, screenshots: int, policy_to
             out.write(json.dumps({"text": f"{policy}\nstep {k} : what changed on this screen ?",
                                   "image": str(files[k % screenshots].resolve())}) + "\n")
     return path
+
+
+def aiperf_command(url: str, workload: Workload, rate: float, n: int, seed: int, out_dir: Path,
+                   dataset: Path | None, image_px: int, policy_tokens: int,
+                   tokenizer: str = AIPERF_TOKENIZER) -> list[str]:
+    """`aiperf profile`: its chat endpoint, streamed, Poisson arrivals at `rate`, `n` requests of
+    `workload.tokens` completion tokens (the end tokens banned through logit_bias, so the length is
+    exact); the token counts from the server's usage. With `dataset`, its requests in order (the
+    repeated screenshots); else aiperf's synthetic ones: a shared system prompt of
+    `policy_tokens`, a short user text and a unique `image_px` square image each."""
+    extra = {"temperature": 0, "logit_bias": {str(t): -100 for t in workload.end_ids}}
+    cmd = [sys.executable, "-m", "aiperf", "profile", "--model", workload.model, "--tokenizer", tokenizer,
+           "--url", url, "--endpoint-type", "chat", "--streaming", "--use-server-token-count",
+           "--request-rate", f"{rate:.4f}", "--arrival-pattern", "poisson", "--request-count", str(n),
+           "--random-seed", str(seed), "--prompt-output-tokens-mean", str(workload.tokens),
+           "--extra-inputs", json.dumps(extra), "--ui-type", "none", "--no-gpu-telemetry",
+           "--output-artifact-dir", str(out_dir)]
+    if dataset is not None:
+        return cmd + ["--custom-dataset-type", "single_turn", "--input-file", str(dataset),
+                      "--dataset-sampling-strategy", "sequential"]
+    return cmd + ["--shared-system-prompt-length", str(policy_tokens), "--prompt-input-tokens-mean", "16",
+                  "--prompt-input-tokens-stddev", "0", "--image-batch-size", "1", "--image-width-mean", str(image_px),
+                  "--image-width-stddev", "0", "--image-height-mean", str(image_px), "--image-height-stddev", "0",
+                  "--image-format", "png"]
+
+
+def aiperf_summary(out_dir: Path) -> dict:
+    """TTFT percentiles (ms), requests per second, errors and the cached share of prompt tokens
+    from aiperf's own export."""
+    d = json.loads((out_dir / "profile_export_aiperf.json").read_text())
+    ttft = d["time_to_first_token"]
+    return {"ttft_ms": {p: ttft[f"p{p}"] for p in PERCENTILES}, "req_s": d["request_throughput"]["avg"],
+            "requests": int(d["request_count"]["avg"]),
+            "errors": int(sum(e.get("count", 0) for e in d.get("error_summary") or [])),
+            "cached_share": d.get("overall_usage_prompt_cache_read_pct", {}).get("avg", 0.0) / 100}
+
+
+def check_aiperf() -> None:
+    """aiperf importable and its tokenizer offline in HF_HUB_CACHE, or a typer error saying how."""
+    import importlib.util
+
+    if importlib.util.find_spec("aiperf") is None:
+        raise typer.BadParameter("needs aiperf: pip install 'mmkv[bench]'", param_hint="--aiperf")
+    cache = os.environ.get("HF_HUB_CACHE")
+    repo = "models--" + AIPERF_TOKENIZER.replace("/", "--")
+    if not cache or not (Path(cache) / repo).is_dir() or os.environ.get("HF_HUB_OFFLINE") != "1":
+        raise typer.BadParameter(f"aiperf loads its tokenizer ({AIPERF_TOKENIZER}) offline from a hub cache: "
+                                 "python -m mmkv.testing.realshape DIR qwen2_5_vl, then HF_HUB_OFFLINE=1 "
+                                 "HF_HUB_CACHE=DIR", param_hint="--aiperf")
+
+
+def run_aiperf(engine, settings: Settings, rate: float, out_dir: Path, show=print) -> dict:
+    """aiperf against the server at `rate`: its synthetic requests (unique images), then the
+    repeated-screenshot dataset, one table row each."""
+    from PIL import Image
+
+    from mmkv.bench.concurrency import _server, _stop
+    from mmkv.bench.run import _picture
+
+    px = Image.open(io.BytesIO(_picture(engine, settings.image_tokens))).size[0]
+    server = _server(engine, 8, max_queue=max(256, settings.requests))
+    workload = Bench(engine, server[2], settings).workload
+    dataset = write_aiperf_dataset(out_dir / "repeated" / "dataset.jsonl", engine, settings.requests, 3,
+                                   settings.policy_tokens, settings.image_tokens)
+    rows = {}
+    show("| aiperf requests | offered req/s | requests (errors) | p50 TTFT ms | p90 TTFT ms | p99 TTFT ms | req/s | "
+         "cached share |\n|---|---|---|---|---|---|---|---|")
+    try:
+        for name, data in (("synthetic, unique images", None), ("dataset, 3 screenshots repeated", dataset)):
+            run_dir = out_dir / ("synthetic" if data is None else "repeated")
+            cmd = aiperf_command(server[2], workload, rate, settings.requests, settings.seed, run_dir, data, px,
+                                 settings.policy_tokens)
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode:
+                raise RuntimeError(f"aiperf failed ({proc.returncode}): {(proc.stderr or proc.stdout)[-2000:]}")
+            rows[name] = r = aiperf_summary(run_dir)
+            t = r["ttft_ms"]
+            show(f"| {name} | {rate:.2f} | {r['requests']} ({r['errors']}) | {t[50]:.0f} | {t[90]:.0f} | {t[99]:.0f} | "
+                 f"{r['req_s']:.2f} | {100 * r['cached_share']:.1f}% |")
+    finally:
+        _stop({"server": server})
+    return rows
 
 
 # ---- command -------------------------------------------------------------------------------------------
@@ -421,6 +507,14 @@ def bench_serve_command(
     drop_chunk: Annotated[int, typer.Option(min=1, help="agent: screenshots dropped at a time (1 to "
                                                         "--window).")] = 1,
     seed: Annotated[int, typer.Option(help="Arrival times' and agent scripts' seed.")] = 0,
+    aiperf: Annotated[bool, typer.Option("--aiperf", help="Instead of the arms: aiperf drives the server at "
+                                                          "--aiperf-rate, its synthetic requests (unique images) "
+                                                          "and a dataset of repeated screenshots (pip install "
+                                                          "'mmkv[bench]'; HF_HUB_OFFLINE=1, HF_HUB_CACHE with "
+                                                          "Qwen's tokenizer).")] = False,
+    aiperf_rate: Annotated[float, typer.Option(min=0.001, help="--aiperf: offered requests per second.")] = 0.5,
+    aiperf_dir: Annotated[Path, typer.Option(help="--aiperf: where aiperf writes its datasets and exports.")] =
+        Path("aiperf-runs"),
     json_out: Annotated[Path | None, typer.Option("--json", help="Write every figure (each request too).")] = None,
 ) -> None:
     """TTFT percentiles, throughput and prefix-cache hit rate under Poisson load: the field edited in
@@ -434,6 +528,8 @@ def bench_serve_command(
         raise typer.BadParameter("expected bench or tiny", param_hint="--config")
     settings = Settings(chosen, _floats(rates, "--rates"), requests, saturation_requests, policy_tokens, tokens,
                         image_tokens, skill_tokens, sessions, window, drop_chunk, seed)
+    if aiperf:
+        check_aiperf()
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # idle OpenMP threads sleep (as `mmkv bench`)
     import torch
 
@@ -449,6 +545,11 @@ def bench_serve_command(
                f"{tokens} completion tokens, {requests} requests per cell ({saturation_requests} unthrottled) | "
                f"agent: {sessions} sessions, window {window}, {image_tokens}-token screenshots, "
                f"{skill_tokens}-token skill")
+    if aiperf:
+        report = {"aiperf": run_aiperf(engine, settings, aiperf_rate, aiperf_dir.resolve(), typer.echo)}
+        if json_out:
+            json_out.write_text(json.dumps(report, indent=1))
+        return
     report = run_bench_serve(engine, settings, typer.echo)
     typer.echo(f"\nin-place saturation: {report['saturation_req_s']:.2f} req/s\n")
     typer.echo("\n".join(compare(report)))
