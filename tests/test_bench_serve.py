@@ -164,3 +164,19 @@ def test_head_is_answered_as_get_without_a_body(engine):
         head = client.head("/v1/chat/completions")
         assert head.status_code == 405 and head.headers["allow"] == "POST" and head.content == b""
         assert client.head("/v1/files/img-missing").status_code == 404
+
+
+def test_aiperf_dataset_repeats_its_screenshots(engine, tmp_path):
+    """aiperf's single_turn lines: the policy and a step line of each request's own, and the
+    screenshots in turn (3 files for 7 requests: each shown again after other text; 7 files: all
+    distinct pictures)."""
+    from mmkv.bench.run import _text_of
+
+    policy = _text_of(engine.adapter.tokenizer, 32, serve.POLICY_SENTENCE)
+    for count in (3, 7):
+        path = serve.write_aiperf_dataset(tmp_path / f"d{count}" / "data.jsonl", engine, 7, count, 32, 16)
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(lines) == 7 and all(set(x) == {"text", "image"} for x in lines)
+        assert [x["text"] for x in lines] == [f"{policy}\nstep {k} : what changed on this screen ?" for k in range(7)]
+        assert [Path(x["image"]).name for x in lines] == [f"screenshot-{k % count}.png" for k in range(7)]
+        assert len({Path(x["image"]).read_bytes() for x in lines}) == count

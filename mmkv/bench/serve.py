@@ -181,14 +181,28 @@ def run_schedule(url: str, schedule: list[tuple[float, dict]]) -> list[dict]:
     return out
 
 
-def _clients(url: str, schedule: list[tuple[float, dict]]) -> list[dict]:
-    code = ("import json, sys; from mmkv.bench.serve import run_schedule; "
-            "url, schedule = json.load(sys.stdin); print(json.dumps(run_schedule(url, schedule)))")
-    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps([url, schedule]), capture_output=True,
-                          text=True, check=False)
-    if proc.returncode:
-        raise RuntimeError(f"the client process failed: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout)
+class ClientProcess:
+    """The clients' process, started once: each `run` hands it a schedule (one JSON line) and reads
+    back its records (one JSON line)."""
+
+    CODE = ("import json, sys\nfrom mmkv.bench.serve import run_schedule\nfor line in sys.stdin:\n"
+            "    print(json.dumps(run_schedule(*json.loads(line))), flush=True)")
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", self.CODE], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def run(self, url: str, schedule: list[tuple[float, dict]]) -> list[dict]:
+        self.proc.stdin.write(json.dumps([url, schedule]) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the client process ended (exit code {self.proc.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
 
 
 # ---- one cell ------------------------------------------------------------------------------------------
@@ -219,11 +233,11 @@ class Cell:
     records: list = field(default_factory=list)
 
 
-def run_cell(url: str, arm: str, bodies: list[dict], rate: float | None, fraction: float | None,
-             seed: int) -> Cell:
+def run_cell(clients: ClientProcess, url: str, arm: str, bodies: list[dict], rate: float | None,
+             fraction: float | None, seed: int) -> Cell:
     offsets = poisson_arrivals(rate, len(bodies), seed) if rate else [0.0] * len(bodies)
     hits0, queries0 = _prefix_counters(url)
-    records = _clients(url, list(zip(offsets, bodies)))
+    records = clients.run(url, list(zip(offsets, bodies)))
     hits1, queries1 = _prefix_counters(url)
     ok = [r for r in records if r["error"] is None and r["ttft"] is not None]
     ttfts = np.array([r["ttft"] for r in ok]) * 1e3
@@ -278,10 +292,10 @@ class Bench:
     """One server, the cells run against it; each cell's requests new to the server (field values,
     screenshots) but the shared policy and skill, which are warmed once."""
 
-    def __init__(self, engine, url: str, settings: Settings):
+    def __init__(self, engine, url: str, settings: Settings, clients: ClientProcess | None = None):
         from mmkv.bench.run import _text_of
 
-        self.engine, self.url, self.settings = engine, url, settings
+        self.engine, self.url, self.settings, self.clients = engine, url, settings, clients
         policy = _text_of(engine.adapter.tokenizer, settings.policy_tokens, POLICY_SENTENCE)
         self.workload = Workload(engine.model_id, policy, settings.tokens, tuple(sorted(engine.stop_ids)))
         self.cells = 0
@@ -298,11 +312,11 @@ class Bench:
 
     def warm(self) -> None:
         """The policy's prefix cached (the erratum arm's first request would do it), the server's
-        code paths run once."""
-        _clients(self.url, [(0.0, b) for arm in self.settings.arms for b in self.bodies(arm, 1)])
+        code paths run once; untimed, so sent from this process."""
+        run_schedule(self.url, [(0.0, b) for arm in self.settings.arms for b in self.bodies(arm, 1)])
 
     def cell(self, arm: str, n: int, rate: float | None, fraction: float | None, seed: int) -> Cell:
-        return run_cell(self.url, arm, self.bodies(arm, n), rate, fraction, seed)
+        return run_cell(self.clients, self.url, arm, self.bodies(arm, n), rate, fraction, seed)
 
 
 def run_bench_serve(engine, settings: Settings, show=print) -> dict:
@@ -311,10 +325,10 @@ def run_bench_serve(engine, settings: Settings, show=print) -> dict:
     from mmkv.bench.concurrency import _server, _stop
 
     server = _server(engine, 8, max_queue=max(256, settings.requests, settings.saturation_requests))
-    url = server[2]
+    url, clients = server[2], ClientProcess()
     cells: list[Cell] = []
     try:
-        bench = Bench(engine, url, settings)
+        bench = Bench(engine, url, settings, clients)
         bench.warm()
         show(HEADER)
         for arm in settings.arms:
@@ -328,6 +342,7 @@ def run_bench_serve(engine, settings: Settings, show=print) -> dict:
                 cells.append(bench.cell(arm, settings.requests, fraction * saturation, fraction, settings.seed + i))
                 show(format_cell(cells[-1]))
     finally:
+        clients.close()
         _stop({"server": server})
     return {"settings": asdict(settings), "saturation_req_s": saturation, "cells": [asdict(c) for c in cells]}
 
@@ -373,18 +388,19 @@ def compare(report: dict) -> list[str]:
 AIPERF_TOKENIZER = "Qwen/Qwen2.5-VL-7B-Instruct"  # found offline in HF_HUB_CACHE (mmkv.testing.realshape writes it)
 
 
-def write_aiperf_dataset(path: Path, engine, n: int, screenshots: int, policy_tokens: int,
-                         image_tokens: int) -> Path:
+def write_aiperf_dataset(path: Path, engine, n: int, screenshots: int, policy_tokens: int, image_tokens: int,
+                         first_variant: int = 0) -> Path:
     """aiperf's single_turn JSONL: `n` requests, each the shared policy, a step line of its own and
-    one of `screenshots` PNG files (written beside the file) in turn, so each screenshot comes back
-    after other text: exact-prefix caching recomputes it, mmkv splices it."""
+    one of `screenshots` PNG files (written beside the file, pictures `first_variant` on) in turn,
+    so with fewer screenshots than requests each comes back after other text: exact-prefix caching
+    recomputes it, mmkv splices it. `screenshots` = `n`: every request's its own."""
     from mmkv.bench.run import _picture, _text_of
 
     path.parent.mkdir(parents=True, exist_ok=True)
     files = []
     for i in range(screenshots):
         f = path.parent / f"screenshot-{i}.png"
-        f.write_bytes(_picture(engine, image_tokens, variant=i))
+        f.write_bytes(_picture(engine, image_tokens, variant=first_variant + i))
         files.append(f)
     policy = _text_of(engine.adapter.tokenizer, policy_tokens, POLICY_SENTENCE)
     with path.open("w") as out:
@@ -426,6 +442,7 @@ def aiperf_summary(out_dir: Path) -> dict:
     return {"ttft_ms": {p: ttft[f"p{p}"] for p in PERCENTILES}, "req_s": d["request_throughput"]["avg"],
             "requests": int(d["request_count"]["avg"]),
             "errors": int(sum(e.get("count", 0) for e in d.get("error_summary") or [])),
+            "prompt_tokens": d["usage_prompt_tokens"]["avg"],
             "cached_share": d.get("overall_usage_prompt_cache_read_pct", {}).get("avg", 0.0) / 100}
 
 
@@ -444,33 +461,38 @@ def check_aiperf() -> None:
 
 
 def run_aiperf(engine, settings: Settings, rate: float, out_dir: Path, show=print) -> dict:
-    """aiperf against the server at `rate`: its synthetic requests (unique images), then the
-    repeated-screenshot dataset, one table row each."""
+    """aiperf against the server at `rate`, one table row each: its synthetic requests (a shared
+    system prompt, unique images), then two datasets that differ only in their screenshots: one of
+    its own per request, and 3 repeated (pictures neither earlier run showed)."""
     from PIL import Image
 
     from mmkv.bench.concurrency import _server, _stop
     from mmkv.bench.run import _picture
 
     px = Image.open(io.BytesIO(_picture(engine, settings.image_tokens))).size[0]
-    server = _server(engine, 8, max_queue=max(256, settings.requests))
+    n, shots = settings.requests, 3
+    server = _server(engine, 8, max_queue=max(256, n))
     workload = Bench(engine, server[2], settings).workload
-    dataset = write_aiperf_dataset(out_dir / "repeated" / "dataset.jsonl", engine, settings.requests, 3,
-                                   settings.policy_tokens, settings.image_tokens)
+    runs = {"aiperf synthetic, unique images": None}
+    for name, count, first in (("dataset, a screenshot per request", n, 0),
+                               (f"dataset, {shots} screenshots repeated", shots, n)):
+        runs[name] = write_aiperf_dataset(out_dir / f"dataset-{count}" / "dataset.jsonl", engine, n, count,
+                                          settings.policy_tokens, settings.image_tokens, first)
     rows = {}
-    show("| aiperf requests | offered req/s | requests (errors) | p50 TTFT ms | p90 TTFT ms | p99 TTFT ms | req/s | "
-         "cached share |\n|---|---|---|---|---|---|---|---|")
+    show("| aiperf requests | offered req/s | requests (errors) | prompt tokens | p50 TTFT ms | p90 TTFT ms | "
+         "p99 TTFT ms | req/s | cached share |\n|---|---|---|---|---|---|---|---|---|")
     try:
-        for name, data in (("synthetic, unique images", None), ("dataset, 3 screenshots repeated", dataset)):
-            run_dir = out_dir / ("synthetic" if data is None else "repeated")
-            cmd = aiperf_command(server[2], workload, rate, settings.requests, settings.seed, run_dir, data, px,
+        for name, data in runs.items():
+            run_dir = out_dir / ("synthetic" if data is None else data.parent.name)
+            cmd = aiperf_command(server[2], workload, rate, n, settings.seed, run_dir, data, px,
                                  settings.policy_tokens)
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if proc.returncode:
                 raise RuntimeError(f"aiperf failed ({proc.returncode}): {(proc.stderr or proc.stdout)[-2000:]}")
             rows[name] = r = aiperf_summary(run_dir)
             t = r["ttft_ms"]
-            show(f"| {name} | {rate:.2f} | {r['requests']} ({r['errors']}) | {t[50]:.0f} | {t[90]:.0f} | {t[99]:.0f} | "
-                 f"{r['req_s']:.2f} | {100 * r['cached_share']:.1f}% |")
+            show(f"| {name} | {rate:.2f} | {r['requests']} ({r['errors']}) | {r['prompt_tokens']:.0f} | {t[50]:.0f} | "
+                 f"{t[90]:.0f} | {t[99]:.0f} | {r['req_s']:.2f} | {100 * r['cached_share']:.1f}% |")
     finally:
         _stop({"server": server})
     return rows
@@ -539,17 +561,20 @@ def bench_serve_command(
     t0 = time.perf_counter()
     engine = build_engine(config, model_dir, "cpu", None, image_tokens)
     ad = engine.adapter
-    typer.echo(f"# mmkv bench-serve | {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-               f"{threads} threads | model {model_dir or config} ({ad.num_layers} layers) | HTTP on loopback, "
-               f"clients in another process, Poisson arrivals (seed {seed}) | {policy_tokens}-token policy, "
-               f"{tokens} completion tokens, {requests} requests per cell ({saturation_requests} unthrottled) | "
-               f"agent: {sessions} sessions, window {window}, {image_tokens}-token screenshots, "
-               f"{skill_tokens}-token skill")
+    machine = (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads | model "
+               f"{model_dir or config} ({ad.num_layers} layers) | HTTP on loopback")
     if aiperf:
+        typer.echo(f"# mmkv bench-serve --aiperf | {machine} | aiperf, Poisson arrivals at {aiperf_rate} req/s "
+                   f"(seed {seed}) | {requests} requests each, {policy_tokens}-token policy, {tokens} completion "
+                   f"tokens, {image_tokens}-token images")
         report = {"aiperf": run_aiperf(engine, settings, aiperf_rate, aiperf_dir.resolve(), typer.echo)}
         if json_out:
             json_out.write_text(json.dumps(report, indent=1))
         return
+    typer.echo(f"# mmkv bench-serve | {machine}, clients in another process, Poisson arrivals (seed {seed}) | "
+               f"{policy_tokens}-token policy, {tokens} completion tokens, {requests} requests per cell "
+               f"({saturation_requests} unthrottled) | agent: {sessions} sessions, window {window}, "
+               f"{image_tokens}-token screenshots, {skill_tokens}-token skill")
     report = run_bench_serve(engine, settings, typer.echo)
     typer.echo(f"\nin-place saturation: {report['saturation_req_s']:.2f} req/s\n")
     typer.echo("\n".join(compare(report)))
