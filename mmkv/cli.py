@@ -286,5 +286,9 @@ from mmkv.bench.concurrency import bench_concurrency_command  # noqa: E402  (its
 
 app.command(name="bench-concurrency")(bench_concurrency_command)
 
+from mmkv.bench.serve import bench_serve_command  # noqa: E402  (its heavy imports happen inside)
+
+app.command(name="bench-serve")(bench_serve_command)
+
 if __name__ == "__main__":
     app()

@@ -1,6 +1,6 @@
 """The pure-ASGI edge every request passes: arrival time, the body's size cap (413) and read
-deadline (408), `X-Content-Type-Options: nosniff` on every response, and the per-route count of
-responses by status.
+deadline (408), `X-Content-Type-Options: nosniff` on every response, HEAD answered as GET without
+the body, and the per-route count of responses by status.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ class RequestEdge:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["method"] == "HEAD":  # as GET, headers only (RFC 9110 9.3.2): what a 405's Allow promises
+            scope, send = {**scope, "method": "GET"}, _headers_only(send)
         arrived = scope[ARRIVED] = time.perf_counter()
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
@@ -88,6 +90,14 @@ class RequestEdge:
     async def _refuse(self, scope, receive, send, error: MMKVError) -> None:
         await _close_after(mmkv_error_response(error))(scope, receive, send)
         self.metrics.observe_request(_endpoint(scope), error.http_status)
+
+
+def _headers_only(send):
+    async def send_headers(message):
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+    return send_headers
 
 
 def _close_after(response):
