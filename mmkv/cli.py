@@ -146,6 +146,13 @@ def serve(
                                                      "last --shadow-window shadows falls below this.")] = 0.9,
     shadow_window: Annotated[int, typer.Option(envvar="MMKV_SHADOW_WINDOW", min=1,
                                                help="Shadows per kind the alert looks at.")] = 100,
+    shadow_blend: Annotated[str, typer.Option(envvar="MMKV_SHADOW_BLEND", help=(
+        "Blend ratios to certify on live traffic, e.g. 0,0.1,0.2,0.4: each shadowed splice is also replayed at "
+        "every ratio (idle capacity, nothing stored) and /v1/mmkv/fidelity names the smallest whose exact "
+        "lower bound meets --shadow-target. Needs --shadow-rate."))] = "",
+    shadow_target: Annotated[float | None, typer.Option(envvar="MMKV_SHADOW_TARGET", help=(
+        "Agreement with a full recompute a --shadow-blend ratio must certify (one-sided 95% lower bound), "
+        "in (0, 1). Default: 0.99."))] = None,
     first_sight_in_context: Annotated[bool, typer.Option(
         "--first-sight-in-context/--first-sight-precompile", envvar="MMKV_FIRST_SIGHT_IN_CONTEXT",
         help="An image whose KV is in no tier: computed in its request's context (as exact-prefix caching "
@@ -193,7 +200,20 @@ def serve(
     t0 = time.perf_counter()
     try:
         from mmkv.request.blend import parse_blend_flag
+        from mmkv.request.shadow import parse_shadow_blend
 
+        settings = ServerSettings(  # first: a bad flag fails before the model loads
+            api_keys=tuple(api_key or ()), max_queue=max_queue, max_batch=max_batch, max_body_bytes=int(max_body_mb * (1 << 20)),
+            prefill_chunk=prefill_chunk,
+            file_store_bytes=int(file_store_gb * (1 << 30)), max_images_per_request=max_images_per_request,
+            key_file_bytes=int(key_file_quota_mb * (1 << 20)), key_files=key_file_quota_count,
+            skill_store_bytes=int(skill_store_gb * (1 << 30)), key_skill_bytes=int(key_skill_quota_mb * (1 << 20)),
+            key_skills=key_skill_quota_count,
+            image_threads=image_threads, body_timeout_s=body_timeout_s,
+            allowed_image_url_prefixes=tuple(allow_image_url_prefix or ()), default_max_tokens=max_tokens_default,
+            served_model_names=tuple(served_model_name or ()), allow_fidelity=allow_fidelity,
+            shadow_rate=shadow_rate, shadow_alert=shadow_alert, shadow_window=shadow_window,
+            shadow_blend=parse_shadow_blend(shadow_blend), shadow_target=shadow_target)
         engine = Engine.from_pretrained(model_dir, dtype=dtype, device=device, seam_tokens=seam_tokens,
                                         blend=parse_blend_flag(blend), blend_select=blend_select,
                                         rope_policy=rope_policy, cache_bytes=int(cache_gb * (1 << 30)),
@@ -205,17 +225,6 @@ def serve(
                                                        "mooncake_buffer_bytes": mooncake_buffer_mb << 20},
                                         first_sight_in_context=first_sight_in_context,
                                         background_bytes=int(background_mb * (1 << 20)))
-        settings = ServerSettings(
-            api_keys=tuple(api_key or ()), max_queue=max_queue, max_batch=max_batch, max_body_bytes=int(max_body_mb * (1 << 20)),
-            prefill_chunk=prefill_chunk,
-            file_store_bytes=int(file_store_gb * (1 << 30)), max_images_per_request=max_images_per_request,
-            key_file_bytes=int(key_file_quota_mb * (1 << 20)), key_files=key_file_quota_count,
-            skill_store_bytes=int(skill_store_gb * (1 << 30)), key_skill_bytes=int(key_skill_quota_mb * (1 << 20)),
-            key_skills=key_skill_quota_count,
-            image_threads=image_threads, body_timeout_s=body_timeout_s,
-            allowed_image_url_prefixes=tuple(allow_image_url_prefix or ()), default_max_tokens=max_tokens_default,
-            served_model_names=tuple(served_model_name or ()), allow_fidelity=allow_fidelity,
-            shadow_rate=shadow_rate, shadow_alert=shadow_alert, shadow_window=shadow_window)
         limits = ConnectionLimits(max_connections=max_connections, header_timeout_s=header_timeout_s,
                                   keep_alive_s=keep_alive_s, max_header_bytes=max_header_kb << 10,
                                   grace_s=shutdown_grace_s)

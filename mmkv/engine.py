@@ -158,6 +158,8 @@ class Run:
     reference: PrefillResult | None = None  # `fidelity`: the full recompute, run after the turn's forward
     exact: Callable[[], PrefillResult] | None = None  # the client prompt's full recompute, pending (the shadow
     #                                                   monitor's); None for a request that was one
+    replay: Callable[[float], PrefillResult] | None = None  # the client prompt spliced at blend r, pending
+    #                                                          (the monitor's dial replays); None: not a splice
 
     @property
     def cache(self) -> DynamicCache:  # per layer [1, kv_heads, L, head_dim]: the prompt, then every token fed
@@ -507,7 +509,7 @@ class Engine:
             calls, stream = self._stream(spec, placed.plan, t0)
             return Run(stream, placed.prefill, report, calls, spec.tools, spec.on_text,
                        self._run_under_lock(self._after_first_token(placed)), self._reference(spec, placed.plan),
-                       self._exact(client))
+                       self._exact(client), self._replay(spec, placed, client))
 
     def _after_first_token(self, placed: Placed) -> Callable[[], None] | None:
         """What the request leaves once its first token is out: its prefix blocks, and the
@@ -553,6 +555,16 @@ class Engine:
         recompute of the client's prompt as sent (an erratum's original, not its rewrite), made
         only when asked for."""
         return None if client is None else lambda: self._full_recompute(client)
+
+    def _replay(self, spec: RequestSpec, placed: Placed, client: SplicePlan | None
+                ) -> Callable[[float], PrefillResult] | None:
+        """What the shadow monitor's `--shadow-blend` replays run: the client's prompt spliced at
+        blend r (every chunk kind, the engine's selector), cold and stored nowhere. None off the
+        splice path: a full recompute, or a composed turn (the dial does not apply there)."""
+        if client is None or placed.history is not None:
+            return None
+        select = self.settings.blend_select
+        return lambda ratio: self.placer.replay(client, spec.seam, spec.policy, parse_blend(ratio, select))
 
     def _reference(self, spec: RequestSpec, plan: SplicePlan) -> PrefillResult | None:
         """`fidelity` on the reuse path: the full recompute of the same tokens."""

@@ -47,7 +47,9 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
     if settings.shadow_rate > 0:
         from mmkv.request.shadow import ShadowMonitor  # here: importing the server must not import torch
 
-        shadow = ShadowMonitor(settings.shadow_rate, settings.shadow_alert, settings.shadow_window)
+        shadow = ShadowMonitor(settings.shadow_rate, settings.shadow_alert, settings.shadow_window,
+                               blend=settings.shadow_blend, target=settings.shadow_target,
+                               select=engine.settings.blend_select)
     worker = EngineWorker(engine, settings.max_queue, settings.max_batch, settings.prefill_chunk, shadow)
     metrics = ServerMetrics(worker.live_stats, lambda: worker.queue_depth,
                             shadow.snapshot if shadow is not None else None)

@@ -112,7 +112,8 @@ class _ShadowCollector:
         self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        kinds = self._snapshot()["kinds"]
+        snapshot = self._snapshot()
+        kinds = snapshot["kinds"]
         families = {key: CounterMetricFamily(f"mmkv:shadow_{key}", doc, labels=["kind"]) for key, doc in (
             ("shadowed", "Fast-path requests recomputed exactly and compared."),
             ("agreed", "Shadowed requests whose first token equals the full recompute's."),
@@ -126,6 +127,32 @@ class _ShadowCollector:
             gap.add_metric([kind], [(b, float(c)) for b, c in k["gap_buckets"].items()], float(k["gap_sum"]))
         yield from families.values()
         yield gap
+        yield from _blend_families(snapshot.get("blend"))
+
+
+def _blend_families(blend: Mapping[str, Any] | None) -> Iterator[Metric]:
+    """The dial's replays per kind and ratio, and the recommended ratio per kind (--shadow-blend)."""
+    if blend is None:
+        return
+    shadowed = CounterMetricFamily("mmkv:shadow_blend_shadowed", "Shadowed splices replayed at this blend ratio "
+                                   "and compared with the full recompute.", labels=["kind", "ratio"])
+    agreed = CounterMetricFamily("mmkv:shadow_blend_agreed", "Replays whose first token equals the full "
+                                 "recompute's.", labels=["kind", "ratio"])
+    bound = GaugeMetricFamily("mmkv:shadow_blend_lower_bound", "Exact one-sided lower bound on the agreement at "
+                              "this ratio.", labels=["kind", "ratio"])
+    recommended = GaugeMetricFamily("mmkv:shadow_blend_recommended_ratio", "The smallest ratio whose lower bound "
+                                    "meets --shadow-target; NaN while none does.", labels=["kind"])
+    needed = GaugeMetricFamily("mmkv:shadow_blend_agreeing_needed", "Further agreeing shadows the closest ratio "
+                               "needs to meet --shadow-target (0: met).", labels=["kind"])
+    for kind, k in blend["kinds"].items():
+        for row in k["ratios"].values():
+            labels = [kind, repr(row["ratio"])]
+            shadowed.add_metric(labels, float(row["shadowed"]))
+            agreed.add_metric(labels, float(row["agreed"]))
+            bound.add_metric(labels, row["lower_bound"])
+        recommended.add_metric([kind], float("nan") if k["recommended"] is None else k["recommended"])
+        needed.add_metric([kind], float(k["agreeing_needed"]))
+    yield from (shadowed, agreed, bound, recommended, needed)
 
 
 class ServerMetrics:

@@ -32,6 +32,10 @@ class ServerSettings:
     shadow_rate: float = 0.0
     shadow_alert: float = 0.9
     shadow_window: int = 100
+    # The dial's recommendation: shadowed splices also replayed at these blend ratios, and the smallest
+    # whose exact one-sided lower bound meets `shadow_target` (None: 0.99 with ratios) reported.
+    shadow_blend: tuple[float, ...] = ()
+    shadow_target: float | None = None
     # The names a chat request's `model` may carry, as vLLM's --served-model-name: the first is the one
     # responses and /v1/models report. Empty: the engine's own model id. Any other name is a 404.
     served_model_names: tuple[str, ...] = ()
@@ -49,6 +53,11 @@ class ServerSettings:
         assert self.default_max_tokens >= 1, "the default max_tokens must be at least 1"
         assert 0.0 <= self.shadow_rate <= 1.0 and 0.0 <= self.shadow_alert <= 1.0, "shadow rate / alert in [0, 1]"
         assert self.shadow_window >= 1, "shadow_window must be at least 1"
+        assert self.shadow_rate > 0 or not (self.shadow_blend or self.shadow_target is not None), \
+            "--shadow-blend and --shadow-target need --shadow-rate above 0 (they read the shadowed requests)"
+        assert self.shadow_target is None or 0.0 < self.shadow_target < 1.0, "--shadow-target must be in (0, 1)"
+        assert self.shadow_target is None or self.shadow_blend, \
+            "--shadow-target needs --shadow-blend (the ratios whose agreement it is checked on)"
         assert all(name and name.strip() == name for name in self.served_model_names), \
             "a served model name is non-empty, without surrounding spaces"
         assert len(set(self.served_model_names)) == len(self.served_model_names), "served model names repeat"

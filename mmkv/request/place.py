@@ -179,6 +179,13 @@ class KVPlacer:
         return Placed(result, plan, report, self._commit(insert, remember, watch, plan),
                       history=composed, blend=chooser.report if chooser is not None else None)
 
+    def replay(self, plan: SplicePlan, seam: int, policy: str, blend: Blend) -> PrefillResult:
+        """`plan` spliced again under `blend` for the fidelity monitor (mmkv.request.shadow): the
+        splice path's own placement and dial, from a cold cache (no prefix block read) and nothing
+        stored; its forward pending."""
+        result, _ = self._prefill_blocks(plan, [], [], 0, seam, policy, self._chooser(plan, blend))
+        return result
+
     def _chooser(self, plan: SplicePlan, blend: Blend | None) -> BlendChooser | None:
         if blend is None or not blend.active:
             return None

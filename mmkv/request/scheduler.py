@@ -240,7 +240,7 @@ class Scheduler:
             req.token = run.stream.step(run.first_logits)
             run.first_token_out()
             if self.shadow is not None:
-                self.shadow.offer(run.report, run.first_logits, run.exact)
+                self.shadow.offer(run.report, run.first_logits, run.exact, run.replay)
             if req.token is None:
                 req.future.set_result(run.result())
                 return
