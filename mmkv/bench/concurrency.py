@@ -303,8 +303,8 @@ def _mix_table(engine, image_tokens: int, rounds: int) -> list[str]:
     return _rate_lines(cells, list(servers), vs_serial=True)
 
 
-def _prefill_table(engine, prompt_tokens: int, chunk: int, rounds: int) -> list[str]:
-    arms = {"whole": 0, f"chunk {chunk}": chunk}
+def _prefill_table(engine, prompt_tokens: int, chunks: list[int], rounds: int) -> list[str]:
+    arms = {"whole": 0, **{f"chunk {c}": c for c in chunks}}
     servers = {arm: _server(engine, 8, c) for arm, c in arms.items()}
     cells: dict[str, list[dict]] = {}
     try:
@@ -398,7 +398,8 @@ def bench_concurrency_command(
                                            "whole; not in all) or all.")] = "all",
     prompt_tokens: Annotated[int, typer.Option(help="--mode prefill: the long prompt's tokens; "
                                                           "--mode shared: the policy's.")] = 2048,
-    prefill_chunk: Annotated[int, typer.Option(min=1, help="--mode prefill: the chunked arm's chunk.")] = 512,
+    prefill_chunk: Annotated[str, typer.Option(help="--mode prefill: the chunked arms' chunks, comma-separated "
+                                                    "(one arm each, beside the whole prefill).")] = "512",
     mix: Annotated[bool, typer.Option("--mix", help="--mode clients: each client sends requests about an image, "
                                                      "sampled with a seed, of mixed lengths and logit_bias.")] = False,
     image_tokens: Annotated[int, typer.Option(min=4, help="--mix: image tokens per picture (a square).")] = 1024,
@@ -411,6 +412,13 @@ def bench_concurrency_command(
 
     if mode not in ("clients", "prefill", "shadow", "shared", "all"):
         raise typer.BadParameter("expected clients, prefill, shadow, shared or all", param_hint="--mode")
+    try:
+        chunks = [int(c) for c in prefill_chunk.split(",")]
+    except ValueError:
+        chunks = []
+    if not chunks or min(chunks) < 1:
+        raise typer.BadParameter(f"expected positive token counts, comma-separated; got {prefill_chunk!r}",
+                                 param_hint="--prefill-chunk")
     if mix and mode not in ("clients", "all"):
         raise typer.BadParameter("--mix changes the clients table: --mode clients or all", param_hint="--mix")
     torch.set_num_threads(threads)
@@ -424,7 +432,7 @@ def bench_concurrency_command(
         tables.append((f"{tokens} tokens per request", _clients_table(engine, tokens, rounds)))
     if mode in ("prefill", "all"):
         tables.append((f"one stream decoding, a {prompt_tokens}-token prompt arrives",
-                       _prefill_table(engine, prompt_tokens, prefill_chunk, rounds)))
+                       _prefill_table(engine, prompt_tokens, chunks, rounds)))
     if mode in ("shadow", "all"):
         tables.append((f"4 clients about one image, {tokens} tokens each, the fidelity monitor off and on",
                        _shadow_table(engine, tokens, rounds)))
