@@ -268,5 +268,9 @@ from mmkv.bench.concurrency import bench_concurrency_command  # noqa: E402  (its
 
 app.command(name="bench-concurrency")(bench_concurrency_command)
 
+from mmkv.bench.peers import bench_peers_command  # noqa: E402  (its heavy imports happen inside)
+
+app.command(name="bench-peers")(bench_peers_command)
+
 if __name__ == "__main__":
     app()
