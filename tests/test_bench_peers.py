@@ -9,7 +9,6 @@ tokenizer is not one llama.cpp's converter recognises. The conversion and server
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import torch
@@ -140,7 +139,8 @@ def test_conversion_keeps_the_weights(snapshot, tmp_path):
     for shard in snapshot.glob("*.safetensors"):
         weights.update(load_file(shard))
     embd = next(t for t in text.tensors if t.name == "token_embd.weight")
-    assert torch.equal(torch.from_numpy(embd.data.copy()).reshape(152064, 64), weights["model.embed_tokens.weight"].float())
+    embd = torch.from_numpy(embd.data.copy()).reshape(152064, 64)
+    assert torch.equal(embd, weights["model.embed_tokens.weight"].float())
     proj = gguf.GGUFReader(mmproj)
     assert field(proj, "clip.projector_type") == "qwen2.5vl" and field(proj, "clip.vision.n_wa_pattern") == 2
     assert field(proj, "clip.vision.block_count") == 4

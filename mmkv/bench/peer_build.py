@@ -20,8 +20,9 @@ from pathlib import Path
 PACKAGE = "llama-cpp-python"
 # CPU only, Release, one static binary; no tests, examples, web UI or HTTPS (nothing is fetched at
 # build time); -march=native as llama.cpp builds by default.
-CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF")
+CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON",
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF",
+               "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF")
 TARGETS = ("llama-server",)
 DEFAULT_PEER_DIR = Path(os.environ.get("MMKV_PEER_DIR", "~/.cache/mmkv/peer")).expanduser()
 
@@ -128,9 +129,14 @@ def save_checkpoint(out: Path, family: str = "qwen2_5_vl", size: str = "bench", 
         spec = None
     else:
         raise PeerError(f"no peer checkpoint for {family!r}; expected qwen2_5_vl or qwen3_vl")
-    shard = "8MB" if size == "tiny" else "256MB"  # sharded, with an index, as released
-    return save_real_checkpoint(family, out, seed=seed, repo_id=f"mmkv-peer/{family}-{size}", spec=spec,
-                                max_shard_size=shard)
+    shard = "8MB" if size == "tiny" else "64MB"  # sharded, with an index, as released
+    return save_real_checkpoint(family, out, seed=seed, repo_id=f"mmkv-peer/{checkpoint_name(family, size)}",
+                                spec=spec, max_shard_size=shard)
+
+
+def checkpoint_name(family: str, size: str) -> str:
+    """`save_checkpoint`'s repo name: Qwen3-VL has one size, its real-shape test size."""
+    return f"{family}-{size}" if family == "qwen2_5_vl" else f"{family}-realshape"
 
 
 def convert(peer: Peer, checkpoint: Path, out_dir: Path, outtype: str = "f32") -> tuple[Path, Path]:

@@ -22,7 +22,8 @@ from typing import Annotated
 
 import typer
 
-from mmkv.bench.peer_build import DEFAULT_PEER_DIR, Peer, PeerError, build_peer, convert, find_peer, save_checkpoint
+from mmkv.bench.peer_build import (DEFAULT_PEER_DIR, SIZES, Peer, PeerError, build_peer, checkpoint_name, convert,
+                                   find_peer, save_checkpoint)
 
 MODEL = "bench"  # the name both servers answer to
 END_TOKENS = (151645, 151643)  # <|im_end|>, <|endoftext|>: banned, so every answer is as long as asked
@@ -61,7 +62,8 @@ def _parts(messages: list[dict], render) -> list[dict]:
 
 def for_mmkv(messages: list[dict], skill_ids: dict[str, str]) -> list[dict]:
     """mmkv's request: each skill part names the skill registered with its text (`skill_ids`)."""
-    return _parts(messages, lambda p: {"type": "skill", "skill_id": skill_ids[p["text"]]} if p["type"] == "skill" else p)
+    return _parts(messages, lambda p: {"type": "skill", "skill_id": skill_ids[p["text"]]}
+                  if p["type"] == "skill" else p)
 
 
 def for_peer(messages: list[dict]) -> list[dict]:
@@ -148,28 +150,32 @@ def build_cases(tokenizer, sizes: Sizes, seed: int = 0) -> list[Case]:
     def system(tag: str) -> dict:
         return {"role": "system", "content": f"session {tag} . you are a careful assistant ."}
 
+    def about(png: bytes) -> dict:
+        return {"role": "user", "content": [image_part(png), {"type": "text", "text": q}]}
+
     cold, moved, chat, skills, errata = [], [], [], [], []
     for r in range(sizes.rounds):
         png = pics.new(sizes.image_px)
-        cold.append([Turn([system(f"cold {r}"), {"role": "user", "content": [image_part(png), {"type": "text", "text": q}]}])])
+        cold.append([Turn([system(f"cold {r}"), about(png)])])
         png = pics.new(sizes.image_px)
-        first = [system(f"moved {r}"), {"role": "user", "content": [image_part(png), {"type": "text", "text": q}]}]
+        first = [system(f"moved {r}"), about(png)]
         again = [system(f"moved {r}"), {"role": "user", "content": [
             {"type": "text", "text": f"note {r} : the picture below came with this message . "}, image_part(png),
             {"type": "text", "text": "and now , what is in it ?"}]}]
         moved.append([Turn(first, timed=False), Turn(again)])
         png = pics.new(sizes.image_px)
-        history = [system(f"chat {r}"), {"role": "user", "content": [image_part(png), {"type": "text", "text": q}]}]
+        history = [system(f"chat {r}"), about(png)]
         session = [Turn(list(history), timed=False)]
         for i, follow in enumerate(("what colour is it ?", "how many shapes are there ?", "describe it again .")):
             history += [{"role": "assistant", "content": f"answer {i} ."}, {"role": "user", "content": follow}]
             session.append(Turn(list(history)))
         chat.append(session)
         ask = {"role": "user", "content": "which tool ranks documents ?"}
-        skills.append([Turn([{"role": "system", "content": [{"type": "text", "text": f"preamble {r} a .\n"},
-                                                            skill_part(skill)]}, ask], timed=False),
-                       Turn([{"role": "system", "content": [{"type": "text", "text": f"new preamble {r} b , longer .\n"},
-                                                            skill_part(skill)]}, ask])])
+
+        def after(preamble: str) -> list[dict]:
+            return [{"role": "system", "content": [{"type": "text", "text": preamble}, skill_part(skill)]}, ask]
+        skills.append([Turn(after(f"preamble {r} a .\n"), timed=False),
+                       Turn(after(f"new preamble {r} b , longer .\n"))])
 
         def edited(value: str) -> list[dict]:
             return [{"role": "system", "content": f"session erratum {r} .\norder_status: {value}\n{policy}"},
@@ -204,7 +210,8 @@ def _agent_sessions(tokenizer, sizes: Sizes, seed: int, pics: Pictures) -> list[
             msgs[0]["content"].insert(0, {"type": "text", "text": f"agent session {s} .\n"})
             return Turn(msgs, timed)
 
-        warm = [agent_messages(script, 0, "skill", list(shots))[0], {"role": "user", "content": "hello , a new session ."}]
+        warm = [agent_messages(script, 0, "skill", list(shots))[0],
+                {"role": "user", "content": "hello , a new session ."}]
         sessions.append([turn(warm, timed=False)] + [turn(agent_messages(script, t, "skill", list(shots), sizes.window))
                                                      for t in range(len(script))])
     return sessions
@@ -223,7 +230,9 @@ class TurnResult:
     @property
     def tokens_per_s(self) -> float | None:
         """Decode rate after the first token: (completion tokens - 1) over the time after it."""
-        return (self.completion_tokens - 1) / self.decode_s if self.completion_tokens > 1 and self.decode_s > 0 else None
+        if self.completion_tokens < 2 or self.decode_s <= 0:
+            return None
+        return (self.completion_tokens - 1) / self.decode_s
 
 
 def stream_chat(url: str, body: dict, timeout: float = 900) -> TurnResult:
@@ -353,7 +362,8 @@ def probes(tokenizer, pics: Pictures, sizes: Sizes) -> list[tuple[str, Turn]]:
     return [("text", Turn([{"role": "user", "content": "hello , who are you ?"}])),
             ("system + text", Turn([{"role": "system", "content": "you are a careful assistant ."},
                                     {"role": "user", "content": "name three colours ."}])),
-            (f"image {sizes.shot_px} px", Turn([{"role": "user", "content": [image_part(pics.new(sizes.shot_px)), ask]}])),
+            (f"image {sizes.shot_px} px",
+             Turn([{"role": "user", "content": [image_part(pics.new(sizes.shot_px)), ask]}])),
             (f"image {sizes.image_px} px, text before", Turn([{"role": "user", "content": [
                 {"type": "text", "text": "look : "}, image_part(pics.new(sizes.image_px)), ask]}])),
             ("skill", Turn([{"role": "system", "content": [{"type": "text", "text": "tools :\n"},
@@ -455,8 +465,8 @@ def table_lines(rows: list[dict]) -> list[str]:
         rate = f"{r['tokens_s']:.1f}" if r["tokens_s"] is not None else "-"
         cached = f"{r['cached_tokens']:.0f}" if r["cached_tokens"] is not None else "-"
         ratio = f"{r['peer_over_mmkv']:.2f}x" if r["server"] == MMKV and "peer_over_mmkv" in r else ""
-        lines.append(f"{r['case']:<30} {r['server']:<9} {r['turns']:>5} {r['ttft_ms_p50']:>11.0f} {r['ttft_ms_p90']:>8.0f} "
-                     f"{rate:>6} {r['prompt_tokens']:>6.0f} {cached:>6} {ratio:>16}")
+        lines.append(f"{r['case']:<30} {r['server']:<9} {r['turns']:>5} {r['ttft_ms_p50']:>11.0f} "
+                     f"{r['ttft_ms_p90']:>8.0f} {rate:>6} {r['prompt_tokens']:>6.0f} {cached:>6} {ratio:>16}")
     return lines
 
 
@@ -472,13 +482,14 @@ def header(peer: Peer, threads: int, checkpoint: Path, outtype: str) -> dict:
             "checkpoint": str(checkpoint), "gguf": outtype, "mmkv_dtype": "float32",
             "versions": {"python": platform.python_version(), "mmkv": importlib.metadata.version("mmkv"),
                          "torch": torch.__version__, "transformers": transformers.__version__,
-                         PEER: f"{peer.build['package']} {peer.build['version']}, llama-server {peer.server_version()}"},
+                         PEER: f"{peer.build['package']} {peer.build['version']}, "
+                               f"llama-server {peer.server_version()}"},
             "peer_build": {k: peer.build[k] for k in ("cmake_flags", "targets", "jobs", "build_s", "compiler")}}
 
 
 def _prepare(peer: Peer, work: Path, family: str, size: str, outtype: str) -> tuple[Path, Path, Path]:
     """The checkpoint (written once per family and size) and its GGUF files."""
-    repo = work / "hub" / f"models--mmkv-peer--{family}-{size}"
+    repo = work / "hub" / f"models--mmkv-peer--{checkpoint_name(family, size)}"
     ref = repo / "refs" / "main"
     snapshot = repo / "snapshots" / ref.read_text() if ref.is_file() else save_checkpoint(work / "hub", family, size)
     model, mmproj = convert(peer, snapshot, work / "gguf" / snapshot.parent.parent.name / snapshot.name, outtype)
@@ -508,6 +519,10 @@ def bench_peers_command(
 ) -> None:
     """mmkv beside llama.cpp's llama-server on one checkpoint, one client: prompt counts and greedy
     tokens compared, then TTFT (p50, p90) and decode tokens/s per case and server, interleaved."""
+    for value, allowed, name in ((family, ("qwen2_5_vl", "qwen3_vl"), "--family"), (size, tuple(SIZES), "--size"),
+                                 (outtype, ("f32", "f16"), "--outtype")):
+        if value not in allowed:
+            raise typer.BadParameter(f"expected one of {', '.join(allowed)}", param_hint=name)
     try:
         if build_peer_:
             peer = build_peer(peer_dir.expanduser(), jobs, peer_version)
