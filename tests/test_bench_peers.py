@@ -185,3 +185,5 @@ def test_threads_are_the_same_for_both(snapshot, tmp_path):
     argv = theirs.argv
     assert argv[argv.index("-t") + 1] == argv[argv.index("-tb") + 1] == "3"
     assert mine.port != theirs.port
+    assert mine.argv[mine.argv.index("--port") + 1] == str(mine.port)
+    assert argv[argv.index("--port") + 1] == str(theirs.port)

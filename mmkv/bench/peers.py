@@ -339,10 +339,12 @@ class Server:
 
 
 def mmkv_server(checkpoint: Path, threads: int, log_dir: Path) -> Server:
-    argv = [sys.executable, "-c", "from mmkv.cli import app; app()", "serve", str(checkpoint), "--device", "cpu",
-            "--dtype", "float32", "--store-dir", "none", "--served-model-name", MODEL, "--log-level", "warning"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    return Server(MMKV, argv, env, log_dir / "mmkv.log")
+    server = Server(MMKV, [], env, log_dir / "mmkv.log")
+    server.argv = [sys.executable, "-c", "from mmkv.cli import app; app()", "serve", str(checkpoint),
+                   "--port", str(server.port), "--device", "cpu", "--dtype", "float32", "--store-dir", "none",
+                   "--served-model-name", MODEL, "--log-level", "warning"]
+    return server
 
 
 def peer_server(peer: Peer, model: Path, mmproj: Path, threads: int, context: int, log_dir: Path) -> Server:
