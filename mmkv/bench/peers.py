@@ -374,7 +374,9 @@ def probes(tokenizer, pics: Pictures, sizes: Sizes) -> list[tuple[str, Turn]]:
 
 
 def agreement(servers: list[Server], checks: list[tuple[str, Turn]], tokens: int = 4) -> list[dict]:
-    """Per probe and server: prompt tokens, the greedy tokens and their log-probabilities."""
+    """Per probe and server: prompt tokens, the greedy tokens (as bytes) and their log-probabilities.
+    mmkv answers on its exact path (`reuse: false`: one full forward, no spliced chunk), the one
+    llama.cpp's answer should equal; the splice's distance from it is what mmkv's evaluation measures."""
     import httpx
 
     rows = []
@@ -382,12 +384,14 @@ def agreement(servers: list[Server], checks: list[tuple[str, Turn]], tokens: int
         row = {"probe": what}
         for s in servers:
             body = {**s.body(turn, tokens, stream=False), "logprobs": True, "top_logprobs": 2}
+            if s.name == MMKV:
+                body["mmkv"] = {**body.get("mmkv", {}), "reuse": False}
             r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=600)
             if r.status_code != 200:
                 raise PeerError(f"{s.name} answered {r.status_code} to probe {what!r}: {r.text[:2000]}")
             out = r.json()
             content = out["choices"][0]["logprobs"]["content"]
-            row[s.name] = {"prompt_tokens": out["usage"]["prompt_tokens"], "tokens": [c["token"] for c in content],
+            row[s.name] = {"prompt_tokens": out["usage"]["prompt_tokens"], "bytes": [c["bytes"] for c in content],
                            "logprobs": [c["logprob"] for c in content],
                            "runner_up": [c["top_logprobs"][1]["logprob"] if len(c["top_logprobs"]) > 1 else None
                                          for c in content]}
@@ -395,21 +399,45 @@ def agreement(servers: list[Server], checks: list[tuple[str, Turn]], tokens: int
     return rows
 
 
+def _entries(side: dict) -> dict[tuple[int, bytes], float]:
+    """Logprob entries keyed by (byte offset, bytes). llama.cpp reports a token that ends inside a
+    UTF-8 character together with the next one, as one entry: keyed so, such entries match nothing
+    and only tokens both report alike are compared."""
+    out, offset = {}, 0
+    for b, lp in zip(side["bytes"], side["logprobs"]):
+        out[(offset, bytes(b))] = lp
+        offset += len(b)
+    return out
+
+
+def compare(row: dict) -> dict:
+    """One probe: the same prompt count, the greedy answers' common byte prefix, the largest
+    log-probability difference over the tokens both report alike, and where the answers part,
+    mmkv's gap between its two best tokens (a near tie any float difference can flip)."""
+    a, b = row[MMKV], row[PEER]
+    mine, theirs = b"".join(bytes(x) for x in a["bytes"]), b"".join(bytes(x) for x in b["bytes"])
+    common = next((i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y), min(len(mine), len(theirs)))
+    ea, eb = _entries(a), _entries(b)
+    shared = [k for k in ea if k in eb and k[0] + len(k[1]) <= common]
+    split = next((i for i, k in enumerate(ea) if k[0] + len(k[1]) > common), None)
+    gap = None
+    if split is not None and common < max(len(mine), len(theirs)) and a["runner_up"][split] is not None:
+        gap = a["logprobs"][split] - a["runner_up"][split]
+    return {"same_prompt": a["prompt_tokens"] == b["prompt_tokens"], "same_answer": mine == theirs,
+            "common_bytes": common, "answer_bytes": len(mine), "compared_tokens": len(shared),
+            "max_dlogprob": max((abs(ea[k] - eb[k]) for k in shared), default=None), "gap_at_split": gap}
+
+
 def agreement_lines(rows: list[dict]) -> list[str]:
-    """The prompt-count and greedy-token comparison; where the tokens part, the gap between the
-    two best tokens there (a near tie any float difference can flip)."""
-    lines = [f"{'probe':<28} {'prompt mmkv':>11} {'llama.cpp':>9} {'same first':>10} {'same tokens':>11} "
+    lines = [f"{'probe':<28} {'prompt mmkv':>11} {'llama.cpp':>9} {'same answer':>11} {'common bytes':>12} "
              f"{'max |dlogprob|':>14} {'top-2 gap at split':>18}"]
     for row in rows:
-        a, b = row[MMKV], row[PEER]
-        same = 0
-        while same < min(len(a["tokens"]), len(b["tokens"])) and a["tokens"][same] == b["tokens"][same]:
-            same += 1
-        diff = max((abs(x - y) for x, y in zip(a["logprobs"][:same], b["logprobs"][:same])), default=float("nan"))
-        split = a["runner_up"][same] if same < len(a["tokens"]) and a["runner_up"][same] is not None else None
-        gap = f"{a['logprobs'][same] - split:.4f}" if split is not None else "-"
-        lines.append(f"{row['probe']:<28} {a['prompt_tokens']:>11} {b['prompt_tokens']:>9} {str(same > 0):>10} "
-                     f"{same:>5} of {len(a['tokens']):<3} {diff:>14.2e} {gap:>18}")
+        c = compare(row)
+        diff = f"{c['max_dlogprob']:.1e} ({c['compared_tokens']})" if c["max_dlogprob"] is not None else "-"
+        gap = f"{c['gap_at_split']:.4f}" if c["gap_at_split"] is not None else "-"
+        lines.append(f"{row['probe']:<28} {row[MMKV]['prompt_tokens']:>11} {row[PEER]['prompt_tokens']:>9} "
+                     f"{str(c['same_answer']):>11} {c['common_bytes']:>5} of {c['answer_bytes']:<4} {diff:>14} "
+                     f"{gap:>18}")
     return lines
 
 
