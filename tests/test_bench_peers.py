@@ -197,6 +197,7 @@ def test_threads_are_the_same_for_both(snapshot, tmp_path):
     theirs = peers.peer_server(fake, tmp_path / "m.gguf", tmp_path / "p.gguf", 3, 4096, tmp_path)
     argv = theirs.argv
     assert argv[argv.index("-t") + 1] == argv[argv.index("-tb") + 1] == "3"
+    assert mine.env["OMP_WAIT_POLICY"] == theirs.env["OMP_WAIT_POLICY"] == "PASSIVE" and "--poll" in argv
     assert mine.port != theirs.port
     assert mine.argv[mine.argv.index("--port") + 1] == str(mine.port)
     assert argv[argv.index("--port") + 1] == str(theirs.port)

@@ -338,8 +338,13 @@ class Server:
                 self.skill_ids[text] = r.json()["id"]
 
 
+# Idle threads sleep in both servers: on a CPU shared with other work a spinning thread waits for a
+# core the other threads need (llama.cpp's barrier-synchronised graph stalled for seconds a token).
+WAITING = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def mmkv_server(checkpoint: Path, threads: int, log_dir: Path) -> Server:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env = {**os.environ, **WAITING, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     server = Server(MMKV, [], env, log_dir / "mmkv.log")
     server.argv = [sys.executable, "-c", "from mmkv.cli import app; app()", "serve", str(checkpoint),
                    "--port", str(server.port), "--device", "cpu", "--dtype", "float32", "--store-dir", "none",
@@ -348,10 +353,10 @@ def mmkv_server(checkpoint: Path, threads: int, log_dir: Path) -> Server:
 
 
 def peer_server(peer: Peer, model: Path, mmproj: Path, threads: int, context: int, log_dir: Path) -> Server:
-    server = Server(PEER, [], dict(os.environ), log_dir / "llama-server.log")
+    server = Server(PEER, [], {**os.environ, **WAITING}, log_dir / "llama-server.log")
     server.argv = [str(peer.server), "-m", str(model), "--mmproj", str(mmproj), "--host", "127.0.0.1",
-                   "--port", str(server.port), "-t", str(threads), "-tb", str(threads), "-c", str(context),
-                   "--alias", MODEL]
+                   "--port", str(server.port), "-t", str(threads), "-tb", str(threads), "--poll", "0",
+                   "-c", str(context), "--alias", MODEL]
     return server
 
 
@@ -509,6 +514,7 @@ def header(peer: Peer, threads: int, checkpoint: Path, outtype: str) -> dict:
     from mmkv.bench.run import _cpu_name
 
     return {"machine": f"{_cpu_name()}, {os.cpu_count()} cores", "threads": threads,
+            "waiting": "OMP_WAIT_POLICY=PASSIVE for both, llama-server --poll 0",
             "checkpoint": str(checkpoint), "gguf": outtype, "mmkv_dtype": "float32",
             "versions": {"python": platform.python_version(), "mmkv": importlib.metadata.version("mmkv"),
                          "torch": torch.__version__, "transformers": transformers.__version__,
