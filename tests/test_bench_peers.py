@@ -37,6 +37,16 @@ def _peer():
         pytest.skip(f"llama.cpp peer not built: {exc}")
 
 
+@pytest.fixture(scope="module")
+def converted(snapshot, tmp_path_factory):
+    """The checkpoint through the peer's converter, once for the module (two converter runs,
+    each importing torch: about 20 s)."""
+    from mmkv.bench.peer_build import convert
+
+    peer = _peer()
+    return peer, *convert(peer, snapshot, tmp_path_factory.mktemp("gguf"))
+
+
 # Images of 4 x 4 tokens: llama.cpp brings a Qwen-VL image under 8 tokens up to 8 (Qwen's processor: 4).
 SMALL = Sizes(rounds=1, image_px=112, shot_px=112, skill_tokens=64, policy_tokens=32, agent_turns=3)
 
@@ -114,16 +124,14 @@ def test_client_against_mmkv(engine):
         _stop({"mmkv": (http, thread, url)})
 
 
-def test_conversion_keeps_the_weights(snapshot, tmp_path):
+def test_conversion_keeps_the_weights(snapshot, converted):
     """llama.cpp's converter on the checkpoint: the text model (qwen2vl, its sizes, the tokenizer's
     tokens, the chat template) and the projector (Qwen2.5-VL, its window pattern), weights equal to
     the checkpoint's in float32."""
     gguf = pytest.importorskip("gguf", reason="the bench extra (pip install 'mmkv[bench]') reads GGUF files")
     from safetensors.torch import load_file
 
-    from mmkv.bench.peer_build import convert
-
-    model, mmproj = convert(_peer(), snapshot, tmp_path)
+    _, model, mmproj = converted
 
     def field(reader, key):
         f = reader.fields[key]
@@ -134,8 +142,11 @@ def test_conversion_keeps_the_weights(snapshot, tmp_path):
     assert field(text, "qwen2vl.block_count") == 1 and field(text, "qwen2vl.embedding_length") == 64
     assert field(text, "qwen2vl.rope.dimension_sections")[:3] == [4, 6, 6]
     assert "<|im_start|>" in field(text, "tokenizer.chat_template")
-    tokens = field(text, "tokenizer.ggml.tokens")
-    assert tokens[151644] == "<|im_start|>" and tokens[151655] == "<|image_pad|>"
+    tokens = text.fields["tokenizer.ggml.tokens"]  # read two entries, not 152k strings
+
+    def token(i: int) -> str:
+        return bytes(tokens.parts[tokens.data[i]]).decode()
+    assert len(tokens.data) == 152064 and token(151644) == "<|im_start|>" and token(151655) == "<|image_pad|>"
     weights = {}
     for shard in snapshot.glob("*.safetensors"):
         weights.update(load_file(shard))
@@ -147,15 +158,13 @@ def test_conversion_keeps_the_weights(snapshot, tmp_path):
     assert field(proj, "clip.vision.block_count") == 4
 
 
-def test_both_servers_agree(snapshot, engine, tmp_path):
+def test_both_servers_agree(converted, engine, tmp_path):
     """llama-server on the converted checkpoint beside mmkv on the original: the same prompt token
     count for text, images and a skill, and the same greedy tokens with log-probabilities within
     1e-2 (float32 both)."""
     from mmkv.bench.concurrency import _server, _stop
-    from mmkv.bench.peer_build import convert
 
-    peer = _peer()
-    model, mmproj = convert(peer, snapshot, tmp_path)
+    peer, model, mmproj = converted
     http, thread, url = _server(engine, 1, served_model_names=(peers.MODEL,))
     llama = peers.peer_server(peer, model, mmproj, 1, 4096, tmp_path)
     try:
