@@ -298,6 +298,9 @@ app.command(name="bench-concurrency")(bench_concurrency_command)
 from mmkv.bench.serve import bench_serve_command  # noqa: E402  (its heavy imports happen inside)
 
 app.command(name="bench-serve")(bench_serve_command)
+from mmkv.bench.peers import bench_peers_command  # noqa: E402  (its heavy imports happen inside)
+
+app.command(name="bench-peers")(bench_peers_command)
 
 if __name__ == "__main__":
     app()

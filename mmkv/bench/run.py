@@ -375,7 +375,11 @@ def _picture(engine, tokens: int, variant: int = 0) -> bytes:
     patch x merge pixels per token side (28 for Qwen2/2.5-VL, 32 for Qwen3-VL). Each `variant`
     is another picture (another background)."""
     ip = engine.adapter.processor.image_processor
-    px = int(round(tokens**0.5)) * ip.patch_size * ip.merge_size
+    return picture_png(int(round(tokens**0.5)) * ip.patch_size * ip.merge_size, variant)
+
+
+def picture_png(px: int, variant: int = 0) -> bytes:
+    """A px x px PNG; each `variant` is another picture (another background)."""
     img = Image.new("RGB", (px, px), (90 + 17 * variant % 160, 120, 150 - 7 * variant % 100))
     draw = ImageDraw.Draw(img)
     for i in range(0, px, 32):

@@ -23,7 +23,7 @@ import gzip
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -240,11 +240,23 @@ def _write_processor_files(family: str, snapshot: Path) -> None:
             (snapshot / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
 
 
-def real_config(family: str, rope_parameters: dict | None = None, initializer_range: float = 0.02):
-    """The narrow, shallow config of the family's released checkpoint (see the module docstring)."""
+def reshaped(family: str, text: dict | None = None, vision: dict | None = None,
+             tie_word_embeddings: bool | None = None) -> ReleasedCheckpoint:
+    """The family's released checkpoint with other text / vision sizes (tokenizer, template and
+    processor as released): a checkpoint of another size that converters for the released one read."""
+    spec = RELEASED[family]
+    tie = spec.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
+    return replace(spec, text={**spec.text, **(text or {}), "tie_word_embeddings": tie},
+                   vision={**spec.vision, **(vision or {})}, tie_word_embeddings=tie)
+
+
+def real_config(family: str, rope_parameters: dict | None = None, initializer_range: float = 0.02,
+                spec: ReleasedCheckpoint | None = None):
+    """The narrow, shallow config of the family's released checkpoint (see the module docstring),
+    or of `spec` (`reshaped`)."""
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
-    spec = RELEASED[family]
+    spec = spec or RELEASED[family]
     text = dict(spec.text, initializer_range=initializer_range)
     if rope_parameters is not None:
         text["rope_parameters"] = rope_parameters
@@ -261,12 +273,13 @@ ARCHITECTURES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Q
                  "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
 
 
-def released_config_json(family: str, rope_parameters: dict | None = None, initializer_range: float = 0.02) -> dict:
+def released_config_json(family: str, rope_parameters: dict | None = None, initializer_range: float = 0.02,
+                         spec: ReleasedCheckpoint | None = None) -> dict:
     """config.json spelled as the released checkpoint spells it (transformers 4.x): Qwen2/2.5-VL flat,
     with `rope_scaling` {"type": "mrope", ...}; Qwen3-VL nested, with `rope_scaling` in text_config
     (the MoE's vision_config under the model's own type, and `norm_topk_prob`). transformers 5
     converts them on load, as it does for a downloaded checkpoint."""
-    spec = RELEASED[family]
+    spec = spec or RELEASED[family]
     rope = dict(rope_parameters or spec.text["rope_parameters"])
     theta, rope_type = rope.pop("rope_theta"), rope.pop("rope_type")
     text = {k: v for k, v in spec.text.items() if k != "rope_parameters"}
@@ -318,8 +331,9 @@ def _respell_as_released(family: str, snapshot: Path, config: dict) -> None:
     (snapshot / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _fake_revision(family: str, rope_parameters: dict | None, seed: int) -> str:
-    return hashlib.sha1(f"mmkv-realshape|{family}|{rope_parameters}|{seed}".encode()).hexdigest()
+def _fake_revision(family: str, rope_parameters: dict | None, seed: int, spec: ReleasedCheckpoint) -> str:
+    shape = "" if spec == RELEASED[family] else f"|{spec.text}|{spec.vision}"
+    return hashlib.sha1(f"mmkv-realshape|{family}|{rope_parameters}|{seed}{shape}".encode()).hexdigest()
 
 
 def _move_into_blobs(repo_dir: Path, snapshot: Path) -> None:
@@ -338,26 +352,26 @@ def _move_into_blobs(repo_dir: Path, snapshot: Path) -> None:
 
 def save_real_checkpoint(family: str, hub_cache: str | Path, *, seed: int = 0, repo_id: str | None = None,
                          rope_parameters: dict | None = None, initializer_range: float = 0.02,
-                         max_shard_size: str = "64MB") -> Path:
-    """Write a random-weight checkpoint of `family` into `hub_cache` as the hub would, under
-    `repo_id` (default: the released repo it mirrors), in bfloat16, with config.json and weight
-    names spelled as released. Returns the snapshot directory."""
+                         max_shard_size: str = "64MB", spec: ReleasedCheckpoint | None = None) -> Path:
+    """Write a random-weight checkpoint of `family` (or of `spec`: `reshaped`) into `hub_cache` as
+    the hub would, under `repo_id` (default: the released repo it mirrors), in bfloat16, with
+    config.json and weight names spelled as released. Returns the snapshot directory."""
     from transformers import AutoModelForImageTextToText
 
-    spec = RELEASED[family]
+    spec = spec or RELEASED[family]
     repo_dir = Path(hub_cache) / ("models--" + (repo_id or spec.repo_id).replace("/", "--"))
-    revision = _fake_revision(family, rope_parameters, seed)
+    revision = _fake_revision(family, rope_parameters, seed, spec)
     snapshot = repo_dir / "snapshots" / revision
     snapshot.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     # Initialised in float32 (twice as fast as bfloat16 on CPU), stored in bfloat16.
-    model = AutoModelForImageTextToText.from_config(real_config(family, rope_parameters, initializer_range))
+    model = AutoModelForImageTextToText.from_config(real_config(family, rope_parameters, initializer_range, spec))
     model = model.to(torch.bfloat16)
     model.generation_config.eos_token_id = [SPECIAL_IDS["<|im_end|>"], SPECIAL_IDS["<|endoftext|>"]]
     model.generation_config.pad_token_id = SPECIAL_IDS["<|endoftext|>"]
     model.generation_config.bos_token_id = SPECIAL_IDS["<|endoftext|>"]
     model.save_pretrained(snapshot, max_shard_size=max_shard_size)
-    _respell_as_released(family, snapshot, released_config_json(family, rope_parameters, initializer_range))
+    _respell_as_released(family, snapshot, released_config_json(family, rope_parameters, initializer_range, spec))
     _write_processor_files(family, snapshot)
     _move_into_blobs(repo_dir, snapshot)
     (repo_dir / "refs").mkdir(exist_ok=True)
