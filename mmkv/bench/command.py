@@ -19,6 +19,9 @@ Arms, each timed up to the turn's next-token logits:
   the same way (prefix KV copied in, one forward);
 - limit: one forward of exactly the splice's new tokens over KV already in place (nothing copied).
 
+The video mode (`--modes video`, not in the default set) asks about a clip of `--video-groups`
+temporal groups of `--group-tokens` tokens each again after new text, with the image mode's arms.
+
 Under each image and skill table: tokens/s of 16 greedy decode steps after a splice k=1 of the
 turn and after a full prefill of the same prompt, interleaved.
 
@@ -46,7 +49,8 @@ import typer
 
 from mmkv.bench import CONFIGS
 
-MODES = ("image", "skill", "errata", "agent", "copy", "bytes")
+MODES = ("image", "skill", "errata", "agent", "copy", "bytes", "video")
+DEFAULT_MODES = ("image", "skill", "errata", "agent", "copy", "bytes")  # video on demand: its clips take minutes
 
 
 def format_header(h: dict) -> str:
@@ -165,6 +169,16 @@ def _check_window_drops(window: int, agent_turns: int, seed: int) -> None:
                                  param_hint="--window")
 
 
+def _video_groups(value: str, group_tokens: int) -> list[int]:
+    groups = _ints(value, "--video-groups")
+    if any(not 2 <= g <= 384 for g in groups):
+        raise typer.BadParameter(f"each must be 2 to 384 groups (4 to 768 frames), got {value!r}",
+                                 param_hint="--video-groups")
+    if group_tokens < 1 or round(group_tokens ** 0.5) ** 2 != group_tokens:
+        raise typer.BadParameter(f"must be a square number of tokens, got {group_tokens}", param_hint="--group-tokens")
+    return groups
+
+
 def bench_command(
     model_dir: Annotated[Path | None, typer.Argument(
         show_default=False, help="Local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint dir (overrides --config).")] = None,
@@ -174,7 +188,7 @@ def bench_command(
                                                    "float32; full-size: bfloat16).")] = None,
     threads: Annotated[int, typer.Option(help="CPU threads for torch (printed).")] = os.cpu_count() or 1,
     repeats: Annotated[int, typer.Option(help="Timed rounds per table, after one warm-up.")] = 5,
-    modes: Annotated[str, typer.Option(help=f"Comma-separated, of: {', '.join(MODES)}.")] = ",".join(MODES),
+    modes: Annotated[str, typer.Option(help=f"Comma-separated, of: {', '.join(MODES)}.")] = ",".join(DEFAULT_MODES),
     image_tokens: Annotated[str, typer.Option(help="Image sizes, in image tokens (square images).")] = "64,256,1024",
     skill_tokens: Annotated[str, typer.Option(help="Skill sizes, in tokens.")] = "1024,2048,4096",
     policy_tokens: Annotated[int, typer.Option(help="errata: the policy's length in tokens.")] = 2048,
@@ -186,6 +200,10 @@ def bench_command(
     drop_chunk: Annotated[int, typer.Option(help="agent: screenshots dropped at a time, 1 to --window (1: one at "
                                                   "a time, as UI-TARS; --window: in chunks, as Anthropic's "
                                                   "computer-use loop).")] = 1,
+    video_groups: Annotated[str, typer.Option(help="video: clip lengths, in temporal groups (two frames "
+                                                   "each).")] = "8,32,64",
+    group_tokens: Annotated[int, typer.Option(help="video: tokens of one temporal group (a square "
+                                                   "number).")] = 16,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write every figure to this file.")] = None,
 ) -> None:
     """Where a turn's time goes: full recompute, prefix caching, encoder cache, mmkv splice, the limit."""
@@ -199,6 +217,7 @@ def bench_command(
         raise typer.BadParameter(f"expected one of {', '.join(CONFIGS)}", param_hint="--config")
     _check_window(window, drop_chunk, chosen)
     images, skills = _ints(image_tokens, "--image-tokens"), _ints(skill_tokens, "--skill-tokens")
+    videos = _video_groups(video_groups, group_tokens)
     t0 = time.perf_counter()
     # Idle OpenMP threads sleep instead of spinning: on a shared CPU spinning threads slow every
     # multi-threaded op several-fold. Read once, when torch loads its OpenMP runtime (printed).
@@ -214,7 +233,7 @@ def bench_command(
         engine = build_engine(config, model_dir, device, dtype, max(images, default=256))
         report = run_bench(engine, chosen, repeats, threads, images, skills, policy_tokens, turns,
                            lambda kind, figures: typer.echo(FORMATS[kind](figures)), agent_turns, seed, window,
-                           drop_chunk)
+                           drop_chunk, videos, group_tokens)
     except (BenchError, MMKVError) as exc:
         typer.echo(f"mmkv bench: {getattr(exc, 'message', None) or exc}", err=True)
         raise typer.Exit(code=2) from None

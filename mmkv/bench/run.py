@@ -914,7 +914,8 @@ def header(engine, threads: int, repeats: int) -> dict:
 
 def run_bench(engine, modes: list[str], repeats: int, threads: int, image_tokens: list[int], skill_tokens: list[int],
               policy_tokens: int, turns: int, show: Callable[[str, dict], None], agent_turns: int = 8,
-              seed: int = 0, window: int = 0, drop_chunk: int = 1) -> dict:
+              seed: int = 0, window: int = 0, drop_chunk: int = 1, video_groups: tuple[int, ...] = (),
+              group_tokens: int = 16) -> dict:
     """Every chosen mode; `show(kind, figures)` gets the header, each table, the agent session, the
     copy and the bytes figures as they are measured. Returns them all (the --json report). The
     agent session uses the smallest image and skill sizes, its client keeping the last `window`
@@ -925,6 +926,10 @@ def run_bench(engine, modes: list[str], repeats: int, threads: int, image_tokens
     report["tables"] = []
     cases = [(bench_image, n) for n in image_tokens if "image" in modes]
     cases += [(bench_skill, n) for n in skill_tokens if "skill" in modes]
+    if "video" in modes:
+        from mmkv.bench.video import bench_video
+
+        cases += [(lambda e, g, r, t: bench_video(e, g, r, t, group_tokens), g) for g in video_groups]
     for bench, n in cases:
         report["tables"].append(asdict(bench(engine, n, repeats, text)))
         show("table", report["tables"][-1])
