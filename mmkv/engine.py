@@ -38,6 +38,7 @@ from mmkv.request.tools import ContentFilter, ToolCall, ToolSpec
 from mmkv.request.place import EditReport, KVPlacer, Placed
 from mmkv.request.plan import PROCESSOR_ONLY, Planner, SplicePlan, check_policy, check_seam_tokens
 from mmkv.request.registry import ImageInfo, Registries, Skill, SkillInfo, check_skill
+from mmkv.request.streams import StreamInfo, StreamSettings
 from mmkv.request.videos import VideoInfo
 from mmkv.request.registry import image_id_for  # noqa: F401  re-exported: mmkv.bench.run imports it from here
 from mmkv.request.splice import PrefillResult, prefill_full
@@ -355,6 +356,32 @@ class Engine:
         """Drop a video's frames and every group's cached KV, with every prefix block holding it."""
         with self._lock:
             self.registry.videos.remove(video_id, tenant)
+
+    # ---- live video streams (mmkv.request.streams) -------------------------------------------------
+    def create_stream(self, tenant: str = "", **settings) -> str:
+        """A live video stream: an id that messages reference like an uploaded video's
+        ({"type": "video_file", "video_file": {"file_id": id}}), seeing its last `window_groups`
+        complete temporal groups. `settings`: fps (its sampling clock, 2), window_groups (64),
+        max_pixels (per frame). Delete it with `remove_video`."""
+        parsed = StreamSettings.parse(settings)
+        with self._lock:
+            return self.registry.videos.create_stream(tenant, parsed)
+
+    def append_frames(self, stream_id: str, frames, tenant: str = "", start: float | None = None) -> StreamInfo:
+        """Append to a stream: [(PIL image or HxWx3 uint8 array, seconds of stream time), ...], or
+        an encoded segment (MP4 / MOV / WebM / MKV bytes or file object) whose frames sit at `start`
+        + their own times. All or nothing: a bad frame changes nothing. The frames are decoded and
+        resized off the lock; the vision tower runs when a prompt first holds a new group."""
+        with self._lock:
+            stream = self.registry.videos.stream(stream_id, tenant, "stream")
+        prepared = stream.prepare_segment(frames, start) if not isinstance(frames, (list, tuple)) \
+            else stream.prepare(frames)
+        with self._lock:
+            return self.registry.videos.append(stream_id, tenant, prepared)
+
+    def stream_info(self, stream_id: str, tenant: str = "") -> StreamInfo:
+        with self._lock:
+            return self.registry.videos.stream(stream_id, tenant).info()
 
     # ---- skills ----------------------------------------------------------------------------------
     def add_skill(self, name: str, text: str, tenant: str = "") -> str:
