@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from mmkv import Engine
-from mmkv.errors import InvalidVideoError, UnknownVideoError, VideoStoreFullError
+from mmkv.errors import InvalidVideoError, StreamConflictError, UnknownVideoError, VideoStoreFullError
 from mmkv.request.oracle import block_masked_logits
 from mmkv.request.splice import prefill_spliced
 from mmkv.testing.clips import clip_frames, encode_clip
@@ -113,7 +113,8 @@ def test_window_is_a_clip_of_its_groups(engine):
     frames = [(Image.fromarray(x.permute(1, 2, 0).numpy()), t) for x, t in zip(window.frames, window.timestamps)]
     f = engine.registry.videos.budget.factor
     inline = [{"role": "system", "content": "you watch a camera ."},
-              {"role": "user", "content": [{"type": "video", "video": frames, "max_pixels": 4 * f * f}, {"type": "text", "text": "what moved ?"}]}]
+              {"role": "user", "content": [{"type": "video", "video": frames, "max_pixels": 4 * f * f},
+                                           {"type": "text", "text": "what moved ?"}]}]
     a = engine.generate(_ask(sid), max_new_tokens=1, reuse=False)
     b = engine.generate(inline, max_new_tokens=1, reuse=False)
     assert (a.first_logits - b.first_logits).abs().max().item() <= 1e-5
@@ -169,7 +170,7 @@ def _bad_appends(engine, sid):
     img = Image.fromarray(np.zeros((SIDE, SIDE, 3), np.uint8))
     return [
         ([], "non-empty"),
-        ([(img, 0.1)], "not after"),  # the stream's latest is at 0.75 s
+        ([(img, 0.1)], "not after"),  # the stream's latest is at 0.75 s: a conflict (409)
         ([(img, 5.0), (img, 4.0)], "increase strictly"),
         ([(Image.fromarray(np.zeros((SIDE, SIDE + 8, 3), np.uint8)), 9.0)], "this stream's frames"),
         ([(img, float("nan"))], "seconds"),
@@ -186,6 +187,8 @@ def test_bad_appends_change_nothing(engine):
         with pytest.raises(InvalidVideoError, match=message):
             engine.append_frames(sid, frames)
         assert engine.stream_info(sid) == info
+    with pytest.raises(StreamConflictError):  # a time the stream has passed is a conflict with its state (409)
+        engine.append_frames(sid, [(Image.fromarray(np.zeros((SIDE, SIDE, 3), np.uint8)), 0.5)])
     for settings, field in (({"fps": 0}, "fps"), ({"window_groups": 0}, "window_groups"),
                             ({"max_pixels": 1.5}, "max_pixels")):
         with pytest.raises(InvalidVideoError) as exc:

@@ -44,8 +44,9 @@ def bench_video(engine, groups: int, repeats: int, text: TextContext, group_toke
 
     arms, notes = chunk_arms(engine, messages, text, vision, tenant)
     info = engine.video_info(video_id, tenant=tenant)
+    placements = engine.splice_plan(messages(0), tenant=tenant).placements
     notes.update(groups=info.groups, video_tokens=info.video_tokens,
-                 chunk_tokens=sum(p.entry.num_tokens for p in engine.splice_plan(messages(0), tenant=tenant).placements))
+                 chunk_tokens=sum(p.entry.num_tokens for p in placements))
     n = engine.prompt_ids(messages(0), tenant=tenant).numel()
     table = Table("video", f"video, {info.groups} groups of {info.video_tokens // info.groups} tokens", n,
                   same_as_full(interleave(arms, repeats)), notes)

@@ -2,9 +2,10 @@
 within a window of temporal groups.
 
 Sampling. A stream samples at `fps` (2 by default) on its own clock: tick k is at k / fps seconds
-of stream time (the client's frame times, from 0). Tick k takes the first frame appended at or
-after its time (a frame covering several ticks, after a gap, fills each of them); two ticks make
-a temporal group, stamped with the tick times, so a group's content, hash and timestamps never
+of stream time (the client's frame times, from 0), ticks 2j and 2j + 1 making group j. The clock
+starts at the group holding the first frame's time; from there tick k takes the first frame
+appended at or after its time (a frame covering several ticks, after a gap, fills each of them).
+A group is stamped with the tick times, so a group's content, hash and timestamps never
 change once it is complete, whatever arrives later. Every frame is resized once to the size the
 stream's first frame fixes (qwen-vl-utils' per-frame bounds, `max_pixels` if set); a frame of
 another source size is refused.
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmkv.errors import InvalidVideoError, VideoStoreFullError, VideoTooLargeError
+from mmkv.errors import InvalidVideoError, StreamConflictError, VideoStoreFullError, VideoTooLargeError
 from mmkv.images import MAX_ASPECT, MIN_SIDE, to_rgb
 from mmkv.video import (
     FPS,
@@ -48,7 +49,7 @@ from mmkv.video import (
     smart_resize,
 )
 
-MAX_STREAM_TIME_S = 1e7  # a frame's time, seconds of stream time
+MAX_STREAM_TIME_S = 1e8  # a frame's time, seconds of stream time
 MAX_FRAMES_PER_APPEND = 1024
 
 
@@ -97,6 +98,10 @@ class PreparedFrames:
     frames: list[torch.Tensor]  # [3, H, W] uint8 each
     times: list[float]
     source_size: tuple[int, int]  # (width, height)
+    param: str = "frames"  # the field an error names: the list's (frames[0]), else the field itself
+
+    def first(self) -> str:
+        return f"{self.param}[0]" if self.param == "frames" else self.param
 
 
 def new_stream_id() -> str:
@@ -154,8 +159,8 @@ class VideoStream:
         if any(a.shape[:2] != (h, w) for a in images):
             raise InvalidVideoError(f"{param}: every frame must have the size of the first", param=param)
         if self.source_size is not None and (w, h) != self.source_size:
-            raise InvalidVideoError(f"{param}: frames are {w}x{h}; this stream's frames are "
-                                    f"{self.source_size[0]}x{self.source_size[1]}", param=param)
+            raise StreamConflictError(f"{param}: frames are {w}x{h}; this stream's frames are "
+                                      f"{self.source_size[0]}x{self.source_size[1]}", param=param)
         if w * h > self.limits.max_frame_pixels:
             raise VideoTooLargeError(f"frames are {w}x{h} = {w * h} pixels, over the limit of "
                                      f"{self.limits.max_frame_pixels} (max_frame_pixels)", param=param)
@@ -163,7 +168,7 @@ class VideoStream:
             raise InvalidVideoError(f"frames are {w}x{h}; each side must be at least {MIN_SIDE} px and the aspect "
                                     f"ratio at most {MAX_ASPECT}:1", param=param)
         size = self.target_size(w, h)
-        return PreparedFrames([_resize(a, size) for a in images], times, (w, h))
+        return PreparedFrames([_resize(a, size) for a in images], times, (w, h), param)
 
     def prepare_segment(self, data, start: float | None, param: str = "file") -> PreparedFrames:
         """An encoded segment (MP4 / MOV / WebM / MKV): every frame at `start` + its own time
@@ -171,13 +176,18 @@ class VideoStream:
         limits (size, frame size, duration, decoded bytes, decode time)."""
         from mmkv.video import decode_all_frames
 
+        frames = decode_all_frames(data, self.limits, MAX_FRAMES_PER_APPEND)
+        return self.prepare([(f, self.start_time(start) + t) for f, t in frames], param)
+
+    def start_time(self, start: float | None, interval: float | None = None) -> float:
+        """An append's first time: `start`, by default one `interval` (one tick) after the
+        stream's latest frame, 0 for the first."""
         if start is None:
-            start = max(self.last_time, 0.0) + (1 / self.settings.fps if self.last_time >= 0 else 0.0)
-        elif isinstance(start, bool) or not isinstance(start, (int, float)) or not math.isfinite(start) \
+            return 0.0 if self.last_time < 0 else self.last_time + (interval or 1 / self.settings.fps)
+        if isinstance(start, bool) or not isinstance(start, (int, float)) or not math.isfinite(start) \
                 or not 0 <= start <= MAX_STREAM_TIME_S:
             raise InvalidVideoError(f"start must be seconds from 0 to {MAX_STREAM_TIME_S:g}", param="start")
-        frames = decode_all_frames(data, self.limits, MAX_FRAMES_PER_APPEND)
-        return self.prepare([(f, start + t) for f, t in frames], param)
+        return float(start)
 
     @staticmethod
     def _rgb(img, param: str) -> np.ndarray:
@@ -192,27 +202,30 @@ class VideoStream:
         h, w = prepared.frames[0].shape[1:]
         return (FRAME_FACTOR * self.settings.window_groups + 1) * 3 * h * w
 
-    def check_append(self, prepared: PreparedFrames, param: str = "frames") -> None:
+    def check_append(self, prepared: PreparedFrames) -> None:
         """Refused, changing nothing: a first time not after the stream's latest, or a group over
         the token limit (checked by the caller against the store budget)."""
         if prepared.times[0] <= self.last_time:
-            raise InvalidVideoError(f"{param}[0]: time {prepared.times[0]:g} s is not after the stream's latest frame "
-                                    f"({self.last_time:g} s)", param=f"{param}[0]")
+            raise StreamConflictError(f"{prepared.first()}: time {prepared.times[0]:g} s is not after the stream's "
+                                      f"latest frame ({self.last_time:g} s)", param=prepared.first())
         if self.source_size is not None and prepared.source_size != self.source_size:
-            raise InvalidVideoError(f"{param}: frames are {prepared.source_size[0]}x{prepared.source_size[1]}; this "
-                                    f"stream's frames are {self.source_size[0]}x{self.source_size[1]}", param=param)
+            raise StreamConflictError(f"{prepared.param}: frames are {prepared.source_size[0]}x"
+                                      f"{prepared.source_size[1]}; this stream's frames are {self.source_size[0]}x"
+                                      f"{self.source_size[1]}", param=prepared.param)
         h, w = prepared.frames[0].shape[1:]
         tokens = self.settings.window_groups * (h // self.budget.factor) * (w // self.budget.factor)
         if tokens > self.limits.max_tokens:
             raise VideoTooLargeError(f"a window of {self.settings.window_groups} groups of {h}x{w} frames is {tokens} "
                                      f"tokens, over the limit of {self.limits.max_tokens} (max_tokens); lower "
-                                     f"window_groups or max_pixels", param=param)
+                                     f"window_groups or max_pixels", param=prepared.param)
 
     def append(self, prepared: PreparedFrames) -> tuple[int, list[str]]:
         """Sample the frames onto the clock; returns (groups completed, hashes of the groups the
         window dropped). Call `check_append` first."""
-        if self.source_size is None:
+        if self.source_size is None:  # the clock starts at the group holding the first frame
             self.source_size, self.size = prepared.source_size, tuple(prepared.frames[0].shape[1:])
+            first = math.floor(prepared.times[0] * self.settings.fps + 1e-9) // FRAME_FACTOR
+            self.next_tick, self.first_group = FRAME_FACTOR * first, first
         before, dropped = self.first_group + len(self.hashes), []
         for frame, t in zip(prepared.frames, prepared.times):
             last = math.floor(t * self.settings.fps + 1e-9)  # the last tick at or before t: this frame fills up to it

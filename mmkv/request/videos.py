@@ -64,6 +64,9 @@ class VideoGroupRef:
     index: int
 
 
+MAX_STREAMS_PER_TENANT = 64
+
+
 def video_id_for(content_hash: str) -> str:
     return f"vid-{content_hash}"
 
@@ -195,6 +198,9 @@ class VideoRegistry:
 
     # ---- live streams (mmkv.request.streams) -------------------------------------------------------------
     def create_stream(self, tenant: str, settings: StreamSettings) -> str:
+        if sum(t == tenant for t, _ in self.streams) >= MAX_STREAMS_PER_TENANT:
+            raise VideoStoreFullError(f"this key holds {MAX_STREAMS_PER_TENANT} video streams, the most it may: "
+                                      f"delete one first", param="stream")
         video_id = new_stream_id()
         self.streams[(tenant, video_id)] = VideoStream(video_id, settings, self.budget, self.limits)
         return video_id
@@ -205,11 +211,11 @@ class VideoRegistry:
             raise UnknownVideoError(f"no video stream with id {video_id!r}", param=param)
         return stream
 
-    def append(self, video_id: str, tenant: str, prepared: PreparedFrames, param: str = "frames") -> StreamInfo:
+    def append(self, video_id: str, tenant: str, prepared: PreparedFrames) -> StreamInfo:
         """Sample prepared frames into the stream (all or nothing), the window's first append
         reserving its bytes; the groups it drops are purged."""
-        stream = self.stream(video_id, tenant, param)
-        stream.check_append(prepared, param)
+        stream = self.stream(video_id, tenant, "stream")
+        stream.check_append(prepared)
         need = reserve(stream, prepared, self.store_bytes, self.store_budget)
         stream.reserved += need
         self.store_bytes += need
@@ -271,7 +277,8 @@ class VideoRegistry:
 
     # ---- introspection -----------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        kept = sum(r.nbytes for r in self.videos.values() if r.uploaded) + sum(s.reserved for s in self.streams.values())
+        kept = sum(r.nbytes for r in self.videos.values() if r.uploaded)
+        kept += sum(s.reserved for s in self.streams.values())
         assert kept == self.store_bytes, f"video store tracks {self.store_bytes}, holds {kept}"
         for s in self.streams.values():
             assert s.nbytes <= s.reserved, f"stream {s.video_id} holds {s.nbytes} bytes, reserved {s.reserved}"
