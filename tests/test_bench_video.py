@@ -46,3 +46,25 @@ def test_video_arms_compute_what_they_claim(table):
 def test_bad_clip_settings_refused(args, message):
     result = CliRunner().invoke(app, ["bench", "--config", "tiny", "--threads", "1", "--modes", "video", *args])
     assert result.exit_code == 2 and message in result.output
+
+
+def test_stream_questions_compute_the_new_groups_not_the_stream(tiny_dirs):
+    """bench_stream's rows: each question after k new groups runs the tower k times and computes
+    the same tokens (within a prefix block) at every length while the window grows (the earlier groups reused); a full
+    recompute computes the whole prompt."""
+    import torch
+
+    from mmkv import Engine
+    from mmkv.bench.video import bench_stream, format_stream
+
+    engine = Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], dtype=torch.float32, device="cpu")
+    s = bench_stream(engine, 1, group_tokens=4, ks=(1, 2), points=(4, 6, 10), window=6)
+    assert [(r["k"], r["stream_groups"], r["window_groups"]) for r in s["rows"]] == [
+        (1, 4, 4), (1, 6, 6), (1, 10, 6), (2, 4, 4), (2, 6, 6), (2, 10, 6)]
+    for k in (1, 2):
+        rows = [r for r in s["rows"] if r["k"] == k]
+        assert all(r["mmkv_vision_runs"] == k for r in rows)
+        # the stream grew, the work did not (up to the prefix cache's block alignment, 16 tokens)
+        assert abs(rows[0]["mmkv_computed_tokens"] - rows[1]["mmkv_computed_tokens"]) < 16
+        assert all(r["full_computed_tokens"] == r["prompt_tokens"] > r["mmkv_computed_tokens"] for r in rows)
+    assert "| 2 | 10 | 6 |" in format_stream(s)

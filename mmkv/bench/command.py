@@ -21,6 +21,9 @@ Arms, each timed up to the turn's next-token logits:
 
 The video mode (`--modes video`, not in the default set) asks about a clip of `--video-groups`
 temporal groups of `--group-tokens` tokens each again after new text, with the image mode's arms.
+The stream mode (`--modes stream`) grows a live stream and times a question after k = 1 and 4 new
+groups at 8 / 16 / 32 / 48 / 64 groups (a 32-group window: the last two points slide it), end to
+end beside a full recompute of the same prompt.
 
 Under each image and skill table: tokens/s of 16 greedy decode steps after a splice k=1 of the
 turn and after a full prefill of the same prompt, interleaved.
@@ -49,8 +52,8 @@ import typer
 
 from mmkv.bench import CONFIGS
 
-MODES = ("image", "skill", "errata", "agent", "copy", "bytes", "video")
-DEFAULT_MODES = ("image", "skill", "errata", "agent", "copy", "bytes")  # video on demand: its clips take minutes
+MODES = ("image", "skill", "errata", "agent", "copy", "bytes", "video", "stream")
+DEFAULT_MODES = ("image", "skill", "errata", "agent", "copy", "bytes")  # video and stream on demand: minutes
 
 
 def format_header(h: dict) -> str:
@@ -134,7 +137,13 @@ def format_bytes(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-FORMATS = {"header": format_header, "table": format_table, "agent": format_agent,
+def format_stream(s: dict) -> str:
+    from mmkv.bench.video import format_stream as fmt
+
+    return fmt(s)
+
+
+FORMATS = {"header": format_header, "table": format_table, "agent": format_agent, "stream": format_stream,
            "copy": lambda f: format_copy(f["rows"]),
            "bytes": lambda f: format_bytes(f["rows"])}
 

@@ -936,6 +936,11 @@ def run_bench(engine, modes: list[str], repeats: int, threads: int, image_tokens
     if "errata" in modes:
         report["tables"].append(asdict(bench_errata(engine, policy_tokens, turns, text)))
         show("table", report["tables"][-1])
+    if "stream" in modes:
+        from mmkv.bench.video import bench_stream
+
+        report["stream"] = bench_stream(engine, repeats, group_tokens)
+        show("stream", report["stream"])
     if "agent" in modes:
         report["agent"] = bench_agent(engine, agent_turns, seed, repeats, min(image_tokens, default=64),
                                       min(skill_tokens, default=1024), text, window, drop_chunk)

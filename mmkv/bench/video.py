@@ -51,3 +51,87 @@ def bench_video(engine, groups: int, repeats: int, text: TextContext, group_toke
     table = Table("video", f"video, {info.groups} groups of {info.video_tokens // info.groups} tokens", n,
                   same_as_full(interleave(arms, repeats)), notes)
     return finish(table, "full recompute", "limit")
+
+
+# ---- live streams -------------------------------------------------------------------------------------
+STREAM_WINDOW = 32  # groups a stream keeps: the later checkpoints slide the window
+STREAM_POINTS = (8, 16, 32, 48, 64)  # stream lengths, in groups, at which questions are timed
+STREAM_FPS = 2.0
+
+
+def _group_frames(side: int, g: int) -> list:
+    """Group g's two camera frames at their ticks: a scene of its own (seeded by g)."""
+    from PIL import Image
+
+    from mmkv.testing.clips import clip_frames
+
+    return [(Image.fromarray(img), (2 * g + j) / STREAM_FPS) for j, img in enumerate(clip_frames(2, side, side, g))]
+
+
+def bench_stream(engine, repeats: int, group_tokens: int = 16, ks: tuple[int, ...] = (1, 4),
+                 points: tuple[int, ...] = STREAM_POINTS, window: int = STREAM_WINDOW) -> dict:
+    """A live stream grows; at each point `repeats` questions are asked, each after k new groups
+    (the stream then k groups longer), and timed end to end (`engine_sample`: TTFT and CPU time to
+    the first token) beside a full recompute of the same prompt. Past `window` groups the oldest
+    are dropped, so the window slides and every kept group moves."""
+    from mmkv.bench.run import engine_sample
+
+    side, sampling = clip_settings(engine, group_tokens)
+    rows = []
+    for k in ks:
+        tenant = f"stream-k{k}"
+        sid = engine.create_stream(tenant=tenant, fps=STREAM_FPS, window_groups=window, **sampling)
+        grown = 0
+
+        def grow(n: int) -> None:
+            nonlocal grown
+            for g in range(grown, grown + n):
+                engine.append_frames(sid, _group_frames(side, g), tenant=tenant)
+            grown += n
+
+        def question(i: int) -> list:
+            return [{"role": "system", "content": "you watch a camera ."},
+                    {"role": "user", "content": [{"type": "video_file", "video_file": {"file_id": sid}},
+                                                 {"type": "text", "text": f"question {i} : what changed ?"}]}]
+
+        asked = 0
+        for point in points:
+            grow(point - k - grown)
+            engine_sample(engine, question(asked), tenant=tenant)  # untimed: the stream so far is cached
+            asked += 1
+            mmkv, full, vision = [], [], []
+            for _ in range(repeats):
+                grow(k)
+                runs = engine.registry.vision_tower_runs
+                mmkv.append(engine_sample(engine, question(asked), tenant=tenant))
+                vision.append(engine.registry.vision_tower_runs - runs)
+                full.append(engine_sample(engine, question(asked), tenant=tenant, reuse=False))
+                asked += 1
+            rows.append(_stream_row(k, point, min(point, window), mmkv, full, vision))
+        engine.remove_video(sid, tenant=tenant)
+    return {"group_tokens": group_tokens, "window": window, "fps": STREAM_FPS, "repeats": repeats, "rows": rows}
+
+
+def _stream_row(k: int, point: int, kept: int, mmkv: list, full: list, vision: list) -> dict:
+    import statistics
+
+    def med(samples, attr):
+        return statistics.median(getattr(s, attr) * 1e3 for s in samples)
+
+    return {"k": k, "stream_groups": point, "window_groups": kept, "prompt_tokens": mmkv[0].prompt_tokens,
+            "mmkv_ms": med(mmkv, "wall_s"), "mmkv_cpu_ms": med(mmkv, "cpu_s"),
+            "mmkv_computed_tokens": mmkv[0].tokens, "mmkv_vision_runs": vision[0],
+            "full_ms": med(full, "wall_s"), "full_cpu_ms": med(full, "cpu_s"), "full_computed_tokens": full[0].tokens,
+            "runs_cpu_ms": [s.cpu_s * 1e3 for s in mmkv]}
+
+
+def format_stream(s: dict) -> str:
+    lines = [f"### stream: a question after k new groups as the stream grows (groups of {s['group_tokens']} tokens, "
+             f"{s['fps']:g} fps clock, window {s['window']} groups; medians of {s['repeats']} questions)",
+             "| k new groups | stream groups | groups in window | prompt tokens | mmkv TTFT ms | mmkv CPU ms | "
+             "LM tokens computed | vision runs | full recompute ms | full CPU ms | full / mmkv (CPU) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['k']} | {r['stream_groups']} | {r['window_groups']} | {r['prompt_tokens']} | {r['mmkv_ms']:.1f} | "
+              f"{r['mmkv_cpu_ms']:.1f} | {r['mmkv_computed_tokens']} | {r['mmkv_vision_runs']} | {r['full_ms']:.1f} | "
+              f"{r['full_cpu_ms']:.1f} | {r['full_cpu_ms'] / r['mmkv_cpu_ms']:.1f}x |" for r in s["rows"]]
+    return "\n".join(lines) + "\n"
