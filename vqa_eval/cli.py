@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-TASKS = ("agreement", "errata", "episodes")
+TASKS = ("agreement", "errata", "episodes", "video")
 
 
 def _split(values: list[str] | None) -> list[str]:
@@ -19,7 +19,8 @@ def eval_command(
     model_dir: Annotated[Path | None, typer.Argument(
         show_default=False, help="Local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint dir. Default: the bundled model.")] = None,
     task: Annotated[str, typer.Option(help="agreement (splice vs full recompute), errata (edit policies) or "
-                                           "episodes (multi-token, two-image, text-field and erratum episodes).")]
+                                           "episodes (multi-token, two-image, text-field and erratum episodes) or video "
+                                           "(synthetic clips: splice, no-rotate and shuffled-frames against full).")]
     = "agreement",
     grid: Annotated[bool, typer.Option("--grid", help="agreement task: the stress grid instead of the main run.")]
     = False,
@@ -80,7 +81,11 @@ def eval_command(
         engine = Engine.from_pretrained(model_dir, dtype=dtype, device=device, anchor=anchor)
         common = dict(set_dir=set_dir, limit=limit or None, seed=seed, out=out,
                       max_new_tokens=max_new_tokens or (None if task == "episodes" else 6), engine=engine)
-        if task == "episodes":
+        if task == "video":
+            from mmkv.vqa_eval.video_eval import run_video_eval
+
+            report = run_video_eval(model_dir, seeds=seeds, **{**common, "limit": limit or None})
+        elif task == "episodes":
             from mmkv.vqa_eval.episodes_eval import run_episodes
 
             report = run_episodes(model_dir, **common)
