@@ -70,8 +70,8 @@ def _group_frames(side: int, g: int) -> list:
 
 def bench_stream(engine, repeats: int, group_tokens: int = 16, ks: tuple[int, ...] = (1, 4),
                  points: tuple[int, ...] = STREAM_POINTS, window: int = STREAM_WINDOW) -> dict:
-    """A live stream grows; at each point `repeats` questions are asked, each after k new groups
-    (the stream then k groups longer), and timed end to end (`engine_sample`: TTFT and CPU time to
+    """A live stream grows; from each point (its length at the first of them) `repeats` questions
+    are asked, each after k new groups (the stream then k groups longer), and timed end to end (`engine_sample`: TTFT and CPU time to
     the first token) beside a full recompute of the same prompt. Past `window` groups the oldest
     are dropped, so the window slides and every kept group moves."""
     from mmkv.bench.run import engine_sample
@@ -96,10 +96,11 @@ def bench_stream(engine, repeats: int, group_tokens: int = 16, ks: tuple[int, ..
 
         asked = 0
         for point in points:
-            grow(point - k - grown)
+            grow(max(0, point - k - grown))
             engine_sample(engine, question(asked), tenant=tenant)  # untimed: the stream so far is cached
             asked += 1
             mmkv, full, vision = [], [], []
+            length = grown + k
             for _ in range(repeats):
                 grow(k)
                 runs = engine.registry.vision_tower_runs
@@ -107,7 +108,7 @@ def bench_stream(engine, repeats: int, group_tokens: int = 16, ks: tuple[int, ..
                 vision.append(engine.registry.vision_tower_runs - runs)
                 full.append(engine_sample(engine, question(asked), tenant=tenant, reuse=False))
                 asked += 1
-            rows.append(_stream_row(k, point, min(point, window), mmkv, full, vision))
+            rows.append(_stream_row(k, length, min(length, window), mmkv, full, vision))
         engine.remove_video(sid, tenant=tenant)
     return {"group_tokens": group_tokens, "window": window, "fps": STREAM_FPS, "repeats": repeats, "rows": rows}
 
