@@ -69,3 +69,9 @@ def test_small_run_on_the_bundled_model(tmp_path):
     summary = report["summary"]["all"]
     assert summary["n"] == len(TYPES) and summary["full"]["agreement"]["k"] == len(TYPES)
     assert "| light_green | 1 | 0.50 |" in (tmp_path / "report.md").read_text()
+
+
+def test_set_is_refused_for_video(tmp_path):
+    """The video task draws its clips: a --set would be ignored, so it is refused."""
+    result = CliRunner().invoke(app, ["eval", "--task", "video", "--set", str(tmp_path), "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "--set applies to the VQA set" in result.output

@@ -84,7 +84,10 @@ def eval_command(
         if task == "video":
             from mmkv.vqa_eval.video_eval import run_video_eval
 
-            report = run_video_eval(model_dir, seeds=seeds, **{**common, "limit": limit or None})
+            if set_dir:
+                raise ValueError("--set applies to the VQA set; --task video draws its own clips")
+            report = run_video_eval(model_dir, limit=limit or None, seeds=seeds, seed=seed, out=out,
+                                    max_new_tokens=common["max_new_tokens"], engine=engine)
         elif task == "episodes":
             from mmkv.vqa_eval.episodes_eval import run_episodes
 

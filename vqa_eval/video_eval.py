@@ -180,7 +180,7 @@ def serve(engine: Engine, clip: Clip, seed: int, max_new_tokens: int) -> dict:
 
 def run_video_eval(model_dir: str | Path | None = None, limit: int | None = None, seeds: int = 2, seed: int = 0,
                    out: str | Path = "eval-video", max_new_tokens: int | None = None, engine: Engine | None = None,
-                   progress: bool = True, **_unused) -> dict:
+                   progress: bool = True) -> dict:
     """`limit` clips per type (default 30), each asked in `seeds` conversations."""
     from tqdm import tqdm
 
