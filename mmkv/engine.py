@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from mmkv.adapters import ImageFeatures, VLAdapter, load_adapter
 from mmkv.store.fingerprint import model_fingerprint
-from mmkv.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from mmkv.errors import InvalidRequestError, InvalidVideoError, ModelLoadError, PromptTooLongError
 from mmkv.hub import resolve_model
 from mmkv.images import DEFAULT_MAX_IMAGE_PIXELS, PreparedImage
 from mmkv.video import DecodedVideo, VideoLimits, VideoSampling
@@ -41,6 +41,7 @@ from mmkv.request.place import EditReport, KVPlacer, Placed
 from mmkv.request.blend import BlendReport, parse_blend
 from mmkv.request.plan import PROCESSOR_ONLY, Planner, SplicePlan, check_policy, check_seam_tokens
 from mmkv.request.registry import ImageInfo, Registries, Skill, SkillInfo, check_skill
+from mmkv.request.streams import PreparedFrames, StreamInfo, StreamSettings
 from mmkv.request.videos import VideoInfo
 from mmkv.request.registry import image_id_for  # noqa: F401  re-exported: mmkv.bench.run imports it from here
 from mmkv.request.splice import PrefillResult, prefill_full
@@ -381,6 +382,53 @@ class Engine:
         """Drop a video's frames and every group's cached KV, with every prefix block holding it."""
         with self._lock:
             self.registry.videos.remove(video_id, tenant)
+
+    # ---- live video streams (mmkv.request.streams) -------------------------------------------------
+    def create_stream(self, tenant: str = "", **settings) -> str:
+        """A live video stream: an id that messages reference like an uploaded video's
+        ({"type": "video_file", "video_file": {"file_id": id}}), seeing its last `window_groups`
+        complete temporal groups. `settings`: fps (its sampling clock, 2), window_groups (64),
+        max_pixels (per frame). Delete it with `remove_video`."""
+        parsed = StreamSettings.parse(settings)
+        with self._lock:
+            return self.registry.videos.create_stream(tenant, parsed)
+
+    def append_frames(self, stream_id: str, frames, tenant: str = "", start: float | None = None) -> StreamInfo:
+        """Append to a stream: [(PIL image or HxWx3 uint8 array, seconds of stream time), ...], or
+        an encoded segment (MP4 / MOV / WebM / MKV bytes or file object) whose frames sit at `start`
+        + their own times. All or nothing: a bad frame changes nothing. The frames are decoded and
+        resized off the lock; the vision tower runs when a prompt first holds a new group."""
+        if not isinstance(frames, PreparedFrames):
+            frames = self.prepare_frames(stream_id, frames, tenant, start)
+        with self._lock:
+            return self.registry.videos.append(stream_id, tenant, frames)
+
+    def prepare_frames(self, stream_id: str, frames, tenant: str = "", start: float | None = None,
+                       param: str = "frames") -> PreparedFrames:
+        """`append_frames`' decoding and resizing, lock-free (changes nothing); the result appends
+        with `append_frames`."""
+        with self._lock:
+            stream = self.registry.videos.stream(stream_id, tenant, "stream")
+        if isinstance(frames, (list, tuple)):
+            if start is not None:
+                raise InvalidVideoError("start applies to an encoded segment; frames carry their own times",
+                                        param="start")
+            return stream.prepare(frames, param)
+        return stream.prepare_segment(frames, start)
+
+    def frames_at(self, stream_id: str, images: list, tenant: str = "", start: float | None = None,
+                  interval: float | None = None) -> list[tuple]:
+        """`images` at `start` + i x `interval` seconds (by default one tick of the stream's clock
+        apart, just after its latest frame): the (image, seconds) pairs `append_frames` takes."""
+        with self._lock:
+            stream = self.registry.videos.stream(stream_id, tenant, "stream")
+        step = interval if interval is not None else 1 / stream.settings.fps
+        first = stream.start_time(start, step)
+        return [(img, first + i * step) for i, img in enumerate(images)]
+
+    def stream_info(self, stream_id: str, tenant: str = "") -> StreamInfo:
+        with self._lock:
+            return self.registry.videos.stream(stream_id, tenant).info()
 
     # ---- skills ----------------------------------------------------------------------------------
     def add_skill(self, name: str, text: str, tenant: str = "") -> str:

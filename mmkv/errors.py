@@ -128,6 +128,14 @@ class VideoURLNotAllowedError(InvalidVideoError):
     code = "video_url_not_allowed"
 
 
+class StreamConflictError(InvalidVideoError):
+    """Frames a live stream cannot take in its present state: a time not after its latest frame's,
+    or a frame size other than its frames'."""
+
+    http_status = 409
+    code = "stream_conflict"
+
+
 class UnknownVideoError(MMKVError):
     """A video id that this tenant never added, or that was deleted."""
 

@@ -388,6 +388,35 @@ def _decode_frames(raw: bytes, indices: list[int], size: tuple[int, int], deadli
     return out
 
 
+def decode_all_frames(data, limits: VideoLimits, max_frames: int) -> list[tuple[np.ndarray, float]]:
+    """Every frame of an encoded segment with its time from the segment's first frame (HWC uint8
+    RGB), for a live stream's append; the limits as for a video, and at most `max_frames`."""
+    raw = read_source(data)
+    if not raw:
+        raise InvalidVideoError("video data is empty")
+    if len(raw) > limits.max_bytes:
+        raise VideoTooLargeError(f"the video is {len(raw)} bytes, over the limit of {limits.max_bytes} (max_bytes)")
+    deadline = _Deadline(limits.timeout_s)
+    head = _probe(raw, limits, deadline)
+    if head.frames > max_frames:
+        raise VideoTooLargeError(f"the segment has {head.frames} frames, over the limit of {max_frames} a segment")
+    out: list[tuple[np.ndarray, float]] = []
+    container = _open(raw)
+    try:
+        for n, frame in enumerate(container.decode(container.streams.video[0])):
+            deadline.check()
+            out.append((frame.to_ndarray(format="rgb24"), float(frame.time) if frame.time is not None
+                        else n / head.fps))
+    except av.FFmpegError as exc:
+        raise InvalidVideoError(f"cannot decode video: {exc}") from exc
+    finally:
+        container.close()
+    if not out:
+        raise InvalidVideoError("the video stream holds no frames")
+    t0 = out[0][1]
+    return [(f, t - t0) for f, t in out]
+
+
 def _from_frames(frames: Sequence, budget: PixelBudget, sampling: VideoSampling,
                  limits: VideoLimits) -> DecodedVideo:
     """[(PIL image, seconds), ...] used as they are (no resampling: `fps`, `nframes` and the time
@@ -429,14 +458,17 @@ def _from_frames(frames: Sequence, budget: PixelBudget, sampling: VideoSampling,
     return _hashed(DecodedVideo(torch.stack(resized), tuple(times), sample_fps, w, h, span, 0))
 
 
+def group_hash(frames: torch.Tensor, times: tuple[float, ...]) -> str:
+    """xxh3-128 of one temporal group: its frames' size, times and pixels."""
+    h, w = frames.shape[-2:]
+    return xxhash.xxh3_128(f"{h}x{w}|{tuple(times)!r}|".encode() + frames.numpy().tobytes()).hexdigest()
+
+
 def _hashed(video: DecodedVideo) -> DecodedVideo:
     """Group hashes over each temporal group's frames and times; the video's over those and the rate."""
-    n, _, h, w = video.frames.shape
-    groups = []
-    for g in range(n // FRAME_FACTOR):
-        a = FRAME_FACTOR * g
-        head = f"{h}x{w}|{video.timestamps[a:a + FRAME_FACTOR]!r}|".encode()
-        groups.append(xxhash.xxh3_128(head + video.frames[a:a + FRAME_FACTOR].numpy().tobytes()).hexdigest())
+    n = video.frames.shape[0]
+    groups = [group_hash(video.frames[a:a + FRAME_FACTOR], video.timestamps[a:a + FRAME_FACTOR])
+              for a in range(0, n, FRAME_FACTOR)]
     whole = xxhash.xxh3_128(("|".join(groups) + f"|fps={video.sample_fps!r}").encode()).hexdigest()
     return DecodedVideo(video.frames, video.timestamps, video.sample_fps, video.width, video.height,
                         video.duration_s, video.source_bytes, tuple(groups), whole)

@@ -27,6 +27,7 @@ from .routes_models import models_router
 from .routes_ops import ops_router
 from .routes_page import page_router
 from .routes_skills import skills_router
+from .routes_streams import streams_router
 from .schemas import ErrorResponse
 from .settings import ServerSettings
 from .skill_quota import SkillQuota
@@ -83,7 +84,7 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
                        metrics=metrics)
     install_error_handlers(app)
     # Each router writes its full paths: /metrics labels requests by the route's own path.
-    for router in (files_router(ctx), chat_router(ctx), skills_router(ctx), models_router(ctx)):
+    for router in (files_router(ctx), chat_router(ctx), skills_router(ctx), models_router(ctx), streams_router(ctx)):
         app.include_router(router, responses=_ERROR_RESPONSES)
     app.include_router(ops_router(ctx))
     app.include_router(page_router())

@@ -14,6 +14,7 @@ from mmkv.errors import VideoURLNotAllowedError
 from .context import ServerContext
 from .schemas import VideoFilePart, VideoURLPart
 
+STREAM_PREFIX = "vstream-"  # live streams' ids (/v1/video_streams); not in the file store
 # Leading bytes of the accepted containers: ISO BMFF (MP4, MOV) boxes and the EBML header (MKV, WebM).
 _BMFF_BOXES = (b"ftyp", b"moov", b"mdat", b"wide", b"free", b"skip")
 _EBML = b"\x1a\x45\xdf\xa3"
@@ -35,6 +36,8 @@ async def engine_video_part(ctx: ServerContext, part: VideoURLPart | VideoFilePa
     data: URL decoded here (an http(s) URL is refused, as for images)."""
     if isinstance(part, VideoURLPart) and part.video_url.url.startswith("mmkv://"):
         part = VideoFilePart(type="video_file", video_file={"file_id": part.video_url.url.removeprefix("mmkv://")})
+    if isinstance(part, VideoFilePart) and part.video_file.file_id.startswith(STREAM_PREFIX):
+        return {"type": "video_file", "video_file": {"file_id": part.video_file.file_id}}  # the engine checks it (404)
     if isinstance(part, VideoFilePart):
         stored = await run_in_threadpool(ctx.files.get, tenant, part.video_file.file_id,
                                          f"{param}.video_file.file_id")

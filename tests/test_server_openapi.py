@@ -24,6 +24,7 @@ from starlette.testclient import TestClient
 import mmkv
 from mmkv.engine import BUNDLED_MODEL
 from mmkv.server.app import ServerSettings, create_app
+from mmkv.testing.clips import encode_clip
 
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
@@ -54,6 +55,8 @@ def _png(rgb: tuple[int, int, int]) -> bytes:
 
 # The upload's `file` is published as an image (image/png among others): schemathesis sends PNGs.
 schemathesis.openapi.media_type("image/png", st.tuples(*[st.integers(0, 255)] * 3).map(_png))
+# A stream segment's `file` is published as a video (video/mp4 first): schemathesis sends short clips.
+schemathesis.openapi.media_type("video/mp4", st.integers(0, 3).map(lambda seed: encode_clip(4, 4, 64, 48, seed=seed)))
 schema = schemathesis.openapi.from_asgi("/openapi.json", OneLifespan(APP))
 
 

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-TASKS = ("agreement", "errata", "episodes", "agent-window")
+TASKS = ("agreement", "errata", "episodes", "agent-window", "video")
 
 
 def _split(values: list[str] | None) -> list[str]:
@@ -19,9 +19,10 @@ def eval_command(
     model_dir: Annotated[Path | None, typer.Argument(
         show_default=False, help="Local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint dir. Default: the bundled model.")] = None,
     task: Annotated[str, typer.Option(help="agreement (splice vs full recompute), errata (edit policies) or "
-                                           "episodes (multi-token, two-image, text-field and erratum episodes) or agent-window "
+                                           "episodes (multi-token, two-image, text-field and erratum episodes), agent-window "
                                            "(history_policy compose on windowed agent loops; --limit: "
-                                           "conversations per kind).")]
+                                           "conversations per kind) or video (synthetic clips: splice, no-rotate and "
+                                           "shuffled-frames against full).")]
     = "agreement",
     grid: Annotated[bool, typer.Option("--grid", help="agreement task: the stress grid instead of the main run.")]
     = False,
@@ -101,6 +102,13 @@ def eval_command(
             from mmkv.vqa_eval.agent_window import run_agent_window
 
             report = run_agent_window(model_dir, **common)
+        elif task == "video":
+            from mmkv.vqa_eval.video_eval import run_video_eval
+
+            if set_dir:
+                raise ValueError("--set applies to the VQA set; --task video draws its own clips")
+            report = run_video_eval(model_dir, limit=limit or None, seeds=seeds, seed=seed, out=out,
+                                    max_new_tokens=common["max_new_tokens"], engine=engine)
         elif task == "episodes":
             from mmkv.vqa_eval.episodes_eval import run_episodes
 

@@ -19,6 +19,12 @@ Arms, each timed up to the turn's next-token logits:
   the same way (prefix KV copied in, one forward);
 - limit: one forward of exactly the splice's new tokens over KV already in place (nothing copied).
 
+The video mode (`--modes video`, not in the default set) asks about a clip of `--video-groups`
+temporal groups of `--group-tokens` tokens each again after new text, with the image mode's arms.
+The stream mode (`--modes stream`) grows a live stream and times a question after k = 1 and 4 new
+groups at 8 / 16 / 32 / 48 / 64 groups (a 32-group window: the last two points slide it), end to
+end beside a full recompute of the same prompt.
+
 Under each image and skill table: tokens/s of 16 greedy decode steps after a splice k=1 of the
 turn and after a full prefill of the same prompt, interleaved.
 
@@ -48,7 +54,8 @@ import typer
 
 from mmkv.bench import CONFIGS
 
-MODES = ("image", "skill", "errata", "agent", "copy", "bytes", "blend")
+MODES = ("image", "skill", "errata", "agent", "copy", "bytes", "blend", "video", "stream")
+DEFAULT_MODES = ("image", "skill", "errata", "agent", "copy", "bytes")  # blend, video and stream on demand: minutes
 
 
 def format_header(h: dict) -> str:
@@ -148,8 +155,14 @@ def _format_blend(t: dict) -> str:
     return format_blend(t)
 
 
+def format_stream(s: dict) -> str:
+    from mmkv.bench.video import format_stream as fmt
+
+    return fmt(s)
+
+
 FORMATS = {"header": format_header, "table": format_table, "agent": format_agent, "blend": _format_blend,
-           "copy": lambda f: format_copy(f["rows"]),
+           "stream": format_stream, "copy": lambda f: format_copy(f["rows"]),
            "bytes": lambda f: format_bytes(f["rows"])}
 
 
@@ -207,6 +220,16 @@ def _run_blend(engine, images: list[int], skills: list[int], repeats: int, ratio
     return tables
 
 
+def _video_groups(value: str, group_tokens: int) -> list[int]:
+    groups = _ints(value, "--video-groups")
+    if any(not 2 <= g <= 384 for g in groups):
+        raise typer.BadParameter(f"each must be 2 to 384 groups (4 to 768 frames), got {value!r}",
+                                 param_hint="--video-groups")
+    if group_tokens < 1 or round(group_tokens ** 0.5) ** 2 != group_tokens:
+        raise typer.BadParameter(f"must be a square number of tokens, got {group_tokens}", param_hint="--group-tokens")
+    return groups
+
+
 def bench_command(
     model_dir: Annotated[Path | None, typer.Argument(
         show_default=False, help="Local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint dir (overrides --config).")] = None,
@@ -216,7 +239,7 @@ def bench_command(
                                                    "float32; full-size: bfloat16).")] = None,
     threads: Annotated[int, typer.Option(help="CPU threads for torch (printed).")] = os.cpu_count() or 1,
     repeats: Annotated[int, typer.Option(help="Timed rounds per table, after one warm-up.")] = 5,
-    modes: Annotated[str, typer.Option(help=f"Comma-separated, of: {', '.join(MODES)}.")] = ",".join(MODES),
+    modes: Annotated[str, typer.Option(help=f"Comma-separated, of: {', '.join(MODES)}.")] = ",".join(DEFAULT_MODES),
     image_tokens: Annotated[str, typer.Option(help="Image sizes, in image tokens (square images).")] = "64,256,1024",
     skill_tokens: Annotated[str, typer.Option(help="Skill sizes, in tokens.")] = "1024,2048,4096",
     policy_tokens: Annotated[int, typer.Option(help="errata: the policy's length in tokens.")] = 2048,
@@ -231,6 +254,10 @@ def bench_command(
     blend: Annotated[str, typer.Option("--blend", help="blend mode: the dial's ratios, comma-separated (each "
                                                        "image and skill size, both selectors).")]
     = "0,0.05,0.1,0.2,0.4,1",
+    video_groups: Annotated[str, typer.Option(help="video: clip lengths, in temporal groups (two frames "
+                                                   "each).")] = "8,32,64",
+    group_tokens: Annotated[int, typer.Option(help="video: tokens of one temporal group (a square "
+                                                   "number).")] = 16,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write every figure to this file.")] = None,
 ) -> None:
     """Where a turn's time goes: full recompute, prefix caching, encoder cache, mmkv splice, the limit."""
@@ -245,6 +272,7 @@ def bench_command(
     _check_window(window, drop_chunk, chosen)
     images, skills = _ints(image_tokens, "--image-tokens"), _ints(skill_tokens, "--skill-tokens")
     ratios = _ratios(blend)
+    videos = _video_groups(video_groups, group_tokens)
     t0 = time.perf_counter()
     # Idle OpenMP threads sleep instead of spinning: on a shared CPU spinning threads slow every
     # multi-threaded op several-fold. Read once, when torch loads its OpenMP runtime (printed).
@@ -260,7 +288,7 @@ def bench_command(
         engine = build_engine(config, model_dir, device, dtype, max(images, default=256))
         report = run_bench(engine, chosen, repeats, threads, images, skills, policy_tokens, turns,
                            lambda kind, figures: typer.echo(FORMATS[kind](figures)), agent_turns, seed, window,
-                           drop_chunk)
+                           drop_chunk, videos, group_tokens)
         if "blend" in chosen:
             report["blend"] = _run_blend(engine, images, skills, repeats, ratios)
     except (BenchError, MMKVError) as exc:

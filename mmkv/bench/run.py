@@ -966,7 +966,8 @@ def header(engine, threads: int, repeats: int) -> dict:
 
 def run_bench(engine, modes: list[str], repeats: int, threads: int, image_tokens: list[int], skill_tokens: list[int],
               policy_tokens: int, turns: int, show: Callable[[str, dict], None], agent_turns: int = 8,
-              seed: int = 0, window: int = 0, drop_chunk: int = 1) -> dict:
+              seed: int = 0, window: int = 0, drop_chunk: int = 1, video_groups: tuple[int, ...] = (),
+              group_tokens: int = 16) -> dict:
     """Every chosen mode; `show(kind, figures)` gets the header, each table, the agent session, the
     copy and the bytes figures as they are measured. Returns them all (the --json report). The
     agent session uses the smallest image and skill sizes, its client keeping the last `window`
@@ -977,12 +978,21 @@ def run_bench(engine, modes: list[str], repeats: int, threads: int, image_tokens
     report["tables"] = []
     cases = [(bench_image, n) for n in image_tokens if "image" in modes]
     cases += [(bench_skill, n) for n in skill_tokens if "skill" in modes]
+    if "video" in modes:
+        from mmkv.bench.video import bench_video
+
+        cases += [(lambda e, g, r, t: bench_video(e, g, r, t, group_tokens), g) for g in video_groups]
     for bench, n in cases:
         report["tables"].append(asdict(bench(engine, n, repeats, text)))
         show("table", report["tables"][-1])
     if "errata" in modes:
         report["tables"].append(asdict(bench_errata(engine, policy_tokens, turns, text)))
         show("table", report["tables"][-1])
+    if "stream" in modes:
+        from mmkv.bench.video import bench_stream
+
+        report["stream"] = bench_stream(engine, repeats, group_tokens)
+        show("stream", report["stream"])
     if "agent" in modes:
         report["agent"] = bench_agent(engine, agent_turns, seed, repeats, min(image_tokens, default=64),
                                       min(skill_tokens, default=1024), text, window, drop_chunk)

@@ -20,12 +20,14 @@ import torch
 
 from mmkv.adapters import ImageFeatures, VisualGrid
 from mmkv.errors import (
+    InvalidVideoError,
     MMKVError,
     UnknownVideoError,
     VideoStoreFullError,
     VideoTooLargeError,
 )
 from mmkv.kv.chunks import CachedChunk, chunk_cache_key
+from mmkv.request.streams import PreparedFrames, StreamInfo, StreamSettings, VideoStream, new_stream_id, reserve
 from mmkv.video import FRAME_FACTOR, DecodedVideo, PixelBudget, VideoLimits, VideoSampling, decode_video
 
 
@@ -62,6 +64,9 @@ class VideoGroupRef:
     index: int
 
 
+MAX_STREAMS_PER_TENANT = 64
+
+
 def video_id_for(content_hash: str) -> str:
     return f"vid-{content_hash}"
 
@@ -86,6 +91,7 @@ class VideoRegistry:
         self.grid_settings = f"{grid_settings}|video={self.budget}"
         self.timestamps = self.adapter.family.startswith("qwen3")  # Qwen3-VL: a timestamp before each frame
         self.videos: dict[tuple[str, str], RegisteredVideo] = {}
+        self.streams: dict[tuple[str, str], VideoStream] = {}  # live streams (mmkv.request.streams)
         self.store_bytes = 0
 
     # ---- input -----------------------------------------------------------------------------------
@@ -156,6 +162,10 @@ class VideoRegistry:
         return video_id
 
     def lookup(self, video_id: str, tenant: str, param: str | None = None) -> RegisteredVideo:
+        """An uploaded or inline video, or a live stream's window now (refused before its first
+        group completes)."""
+        if (tenant, video_id) in self.streams:
+            return self._stream_window(self.streams[(tenant, video_id)], param)
         reg = self.videos.get((tenant, video_id))
         if reg is None:
             raise UnknownVideoError(f"no video with id {video_id!r}", param=param)
@@ -169,17 +179,58 @@ class VideoRegistry:
                          v.sample_fps, v.source_bytes)
 
     def remove(self, video_id: str, tenant: str) -> None:
-        """Forget the video and purge every group's KV (and the prefix blocks holding it) unless
-        another video this tenant holds has the same group."""
+        """Forget the video (or stream) and purge every group's KV (and the prefix blocks holding
+        it) unless another video or stream this tenant holds has the same group."""
+        if (stream := self.streams.pop((tenant, video_id), None)) is not None:
+            self.store_bytes -= stream.reserved
+            self._purge_groups(stream.hashes, tenant)
+            return
         reg = self.lookup(video_id, tenant)
         del self.videos[(tenant, video_id)]
         self.store_bytes -= reg.nbytes if reg.uploaded else 0
-        kept = {self.group_key(r.video, g, tenant) for (t, _), r in self.videos.items() if t == tenant
-                for g in range(r.video.num_groups)}
-        for g in range(reg.video.num_groups):
-            key = self.group_key(reg.video, g, tenant)
-            if key not in kept:
-                self.cache.purge(key)
+        self._purge_groups(reg.video.group_hashes, tenant)
+
+    def _purge_groups(self, hashes, tenant: str) -> None:
+        held = {h for (t, _), r in self.videos.items() if t == tenant for h in r.video.group_hashes}
+        held |= {h for (t, _), s in self.streams.items() if t == tenant for h in s.hashes}
+        for h in set(hashes) - held:
+            self.cache.purge(self._key(h, tenant))
+
+    # ---- live streams (mmkv.request.streams) -------------------------------------------------------------
+    def create_stream(self, tenant: str, settings: StreamSettings) -> str:
+        if sum(t == tenant for t, _ in self.streams) >= MAX_STREAMS_PER_TENANT:
+            raise VideoStoreFullError(f"this key holds {MAX_STREAMS_PER_TENANT} video streams, the most it may: "
+                                      f"delete one first", param="stream")
+        video_id = new_stream_id()
+        self.streams[(tenant, video_id)] = VideoStream(video_id, settings, self.budget, self.limits)
+        return video_id
+
+    def stream(self, video_id: str, tenant: str, param: str | None = None) -> VideoStream:
+        stream = self.streams.get((tenant, video_id))
+        if stream is None:
+            raise UnknownVideoError(f"no video stream with id {video_id!r}", param=param)
+        return stream
+
+    def append(self, video_id: str, tenant: str, prepared: PreparedFrames) -> StreamInfo:
+        """Sample prepared frames into the stream (all or nothing), the window's first append
+        reserving its bytes; the groups it drops are purged."""
+        stream = self.stream(video_id, tenant, "stream")
+        stream.check_append(prepared)
+        need = reserve(stream, prepared, self.store_bytes, self.store_budget)
+        stream.reserved += need
+        self.store_bytes += need
+        _, dropped = stream.append(prepared)
+        self._purge_groups(dropped, tenant)
+        return stream.info()
+
+    def _stream_window(self, stream: VideoStream, param: str | None) -> RegisteredVideo:
+        video = stream.snapshot()
+        if video is None:
+            raise InvalidVideoError(f"the video stream {stream.video_id!r} holds no complete temporal group yet "
+                                    f"(two frames on its clock)", param=param)
+        if stream.registered is None or stream.registered.video is not video:
+            stream.registered = RegisteredVideo(video, uploaded=True)
+        return stream.registered
 
     def release(self, key: tuple[str, str]) -> None:
         """An inline video's request ended: forget it (its KV stays in the LRU) unless uploaded since."""
@@ -189,8 +240,10 @@ class VideoRegistry:
 
     # ---- KV ----------------------------------------------------------------------------------------
     def group_key(self, video: DecodedVideo, g: int, tenant: str) -> str:
-        return chunk_cache_key("video", video.group_hashes[g], self.fingerprint, self.grid_settings, self.anchor,
-                               tenant)
+        return self._key(video.group_hashes[g], tenant)
+
+    def _key(self, group_hash: str, tenant: str) -> str:
+        return chunk_cache_key("video", group_hash, self.fingerprint, self.grid_settings, self.anchor, tenant)
 
     def group_chunk(self, ref: VideoGroupRef, tenant: str) -> CachedChunk:
         """Group `ref.index`'s cached KV; on a miss the vision tower runs on its two frames and the
@@ -225,7 +278,10 @@ class VideoRegistry:
     # ---- introspection -----------------------------------------------------------------------------
     def check_integrity(self) -> None:
         kept = sum(r.nbytes for r in self.videos.values() if r.uploaded)
+        kept += sum(s.reserved for s in self.streams.values())
         assert kept == self.store_bytes, f"video store tracks {self.store_bytes}, holds {kept}"
+        for s in self.streams.values():
+            assert s.nbytes <= s.reserved, f"stream {s.video_id} holds {s.nbytes} bytes, reserved {s.reserved}"
 
 
 def prepare_error(exc: MMKVError, param: str) -> MMKVError:
