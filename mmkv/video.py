@@ -34,6 +34,7 @@ from torchvision.transforms import functional as tvf
 
 from mmkv.errors import InvalidVideoError, VideoTooLargeError, VideoURLNotAllowedError
 from mmkv.images import MAX_ASPECT, MIN_SIDE, to_rgb
+from mmkv.images import bytes_from_data_url as image_bytes_from_data_url
 
 FPS = 2.0
 FRAME_FACTOR = 2  # frames per temporal patch
@@ -209,22 +210,19 @@ def frame_range(sampling: VideoSampling, total_frames: int, video_fps: float) ->
 
 
 # ---- decoding -------------------------------------------------------------------------------------
+def check_frame_size(w: int, h: int, limits: VideoLimits) -> None:
+    """A frame's size against `max_frame_pixels` and the sides and aspect ratio images allow."""
+    if w * h > limits.max_frame_pixels:
+        raise VideoTooLargeError(f"frames are {w}x{h} = {w * h} pixels, over the limit of {limits.max_frame_pixels} "
+                                 f"(max_frame_pixels)")
+    if min(w, h) < MIN_SIDE or max(w, h) / min(w, h) > MAX_ASPECT:
+        raise InvalidVideoError(f"frames are {w}x{h}; each side must be at least {MIN_SIDE} px and the aspect ratio at "
+                                f"most {MAX_ASPECT}:1")
+
+
 def bytes_from_data_url(url: str) -> bytes:
     """The payload of a base64 data: URL; any other scheme is refused (never fetched)."""
-    import base64
-    import binascii
-
-    if not url.startswith("data:"):
-        scheme = url.split(":", 1)[0] if ":" in url else "a path"
-        raise VideoURLNotAllowedError(f"video URLs with scheme {scheme!r} are not fetched; send a data: URL or "
-                                      f"upload the file and use its id")
-    header, _, payload = url.partition(",")
-    if ";base64" not in header:
-        raise InvalidVideoError("data: URL videos must be base64 encoded")
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise InvalidVideoError(f"data: URL is not valid base64: {exc}") from exc
+    return image_bytes_from_data_url(url, "video", VideoURLNotAllowedError, InvalidVideoError)
 
 
 def read_source(data) -> bytes:
@@ -282,12 +280,7 @@ def _probe(data: bytes, limits: VideoLimits, deadline: _Deadline) -> _Header:
         w, h = stream.codec_context.width, stream.codec_context.height
         if w <= 0 or h <= 0:
             raise InvalidVideoError("the video stream has no frame size")
-        if w * h > limits.max_frame_pixels:
-            raise VideoTooLargeError(f"frames are {w}x{h} = {w * h} pixels, over the limit of "
-                                     f"{limits.max_frame_pixels} (max_frame_pixels)")
-        if min(w, h) < MIN_SIDE or max(w, h) / min(w, h) > MAX_ASPECT:
-            raise InvalidVideoError(f"frames are {w}x{h}; each side must be at least {MIN_SIDE} px and the aspect "
-                                    f"ratio at most {MAX_ASPECT}:1")
+        check_frame_size(w, h, limits)
         max_frames = limits.max_decoded_bytes // (w * h * 3)
         frames, last_pts = 0, None
         for packet in container.demux(stream):
@@ -441,12 +434,7 @@ def _from_frames(frames: Sequence, budget: PixelBudget, sampling: VideoSampling,
     w, h = images[0].size
     if any(img.size != (w, h) for img in images):
         raise InvalidVideoError("every frame must have the size of the first")
-    if w * h > limits.max_frame_pixels:
-        raise VideoTooLargeError(f"frames are {w}x{h} = {w * h} pixels, over the limit of {limits.max_frame_pixels} "
-                                 f"(max_frame_pixels)")
-    if min(w, h) < MIN_SIDE or max(w, h) / min(w, h) > MAX_ASPECT:
-        raise InvalidVideoError(f"frames are {w}x{h}; each side must be at least {MIN_SIDE} px and the aspect ratio at "
-                                f"most {MAX_ASPECT}:1")
+    check_frame_size(w, h, limits)
     nframes = ceil_by_factor(len(images), FRAME_FACTOR)
     size = smart_resize(h, w, budget.factor, *frame_pixels(budget, nframes, sampling))
     _check_plan(nframes, size, budget, limits)
