@@ -23,18 +23,18 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import av
 import numpy as np
-import torch
 import xxhash
 from PIL import Image
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms import functional as tvf
 
 from mmkv.errors import InvalidVideoError, VideoTooLargeError, VideoURLNotAllowedError
 from mmkv.images import MAX_ASPECT, MIN_SIDE, to_rgb
 from mmkv.images import bytes_from_data_url as image_bytes_from_data_url
+
+if TYPE_CHECKING:  # torch, torchvision and PyAV load when a video is decoded: `mmkv --help` stays light
+    import torch
 
 FPS = 2.0
 FRAME_FACTOR = 2  # frames per temporal patch
@@ -248,6 +248,7 @@ class _Deadline:
 
 
 def _open(data: bytes):
+    import av
     try:
         container = av.open(io.BytesIO(data), mode="r")
     except (av.FFmpegError, ValueError, OSError, UnicodeDecodeError) as exc:
@@ -274,6 +275,7 @@ class _Header:
 
 def _probe(data: bytes, limits: VideoLimits, deadline: _Deadline) -> _Header:
     """Frame size, frame count (demuxed, not decoded) and rate; each checked against its limit."""
+    import av
     container = _open(data)
     try:
         stream = container.streams.video[0]
@@ -326,6 +328,9 @@ def video_tokens(nframes: int, size: tuple[int, int], factor: int) -> int:
 
 def _resize(rgb: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
     """One HWC uint8 frame -> [3, H, W] uint8 at `size`, bicubic with antialias (as qwen-vl-utils)."""
+    import torch
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as tvf
     frame = torch.from_numpy(rgb).permute(2, 0, 1)
     if tuple(frame.shape[1:]) == size:
         return frame.contiguous()
@@ -335,6 +340,7 @@ def _resize(rgb: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
 def decode_video(data, budget: PixelBudget, sampling: VideoSampling = VideoSampling(),
                  limits: VideoLimits = VideoLimits()) -> DecodedVideo:
     """bytes | file object | data: URL | [(PIL image, seconds), ...] -> sampled, resized, hashed frames."""
+    import torch
     if isinstance(data, (list, tuple)):
         return _from_frames(data, budget, sampling, limits)
     raw = read_source(data)
@@ -357,6 +363,8 @@ def decode_video(data, budget: PixelBudget, sampling: VideoSampling = VideoSampl
 
 def _decode_frames(raw: bytes, indices: list[int], size: tuple[int, int], deadline: _Deadline) -> list[torch.Tensor]:
     """Decode the stream once, keeping (resized) the frames at `indices` (ascending, repeats allowed)."""
+    import av
+    import torch
     wanted: dict[int, int] = {}
     for i in indices:
         wanted[i] = wanted.get(i, 0) + 1
@@ -384,6 +392,7 @@ def _decode_frames(raw: bytes, indices: list[int], size: tuple[int, int], deadli
 def decode_all_frames(data, limits: VideoLimits, max_frames: int) -> list[tuple[np.ndarray, float]]:
     """Every frame of an encoded segment with its time from the segment's first frame (HWC uint8
     RGB), for a live stream's append; the limits as for a video, and at most `max_frames`."""
+    import av
     raw = read_source(data)
     if not raw:
         raise InvalidVideoError("video data is empty")
@@ -414,6 +423,7 @@ def _from_frames(frames: Sequence, budget: PixelBudget, sampling: VideoSampling,
                  limits: VideoLimits) -> DecodedVideo:
     """[(PIL image, seconds), ...] used as they are (no resampling: `fps`, `nframes` and the time
     range are refused), padded to an even count with the last frame, as qwen-vl-utils does."""
+    import torch
     set_fields = [k for k in ("fps", "nframes", "video_start", "video_end") if getattr(sampling, k) is not None]
     if set_fields:
         raise InvalidVideoError(f"{set_fields[0]} applies to encoded videos; frames with their times are used as "
