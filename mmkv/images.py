@@ -63,19 +63,21 @@ class PreparedImage:
         return len(self.source) if isinstance(self.source, bytes) else self.source.width * self.source.height * 3
 
 
-def _bytes_from_data_url(url: str) -> bytes:
+def bytes_from_data_url(url: str, what: str = "image", not_allowed=ImageURLNotAllowedError,
+                        invalid=InvalidImageError) -> bytes:
+    """The payload of a base64 data: URL; any other scheme is refused (never fetched). `what` and
+    the two error types name the media (images here, videos in mmkv.video)."""
     if not url.startswith("data:"):
         scheme = url.split(":", 1)[0] if ":" in url else "a path"
-        raise ImageURLNotAllowedError(
-            f"image URLs with scheme {scheme!r} are not fetched; send a data: URL or upload the file and use its id"
-        )
+        raise not_allowed(f"{what} URLs with scheme {scheme!r} are not fetched; send a data: URL or upload the file "
+                          "and use its id")
     header, _, payload = url.partition(",")
     if ";base64" not in header:
-        raise InvalidImageError("data: URL images must be base64 encoded")
+        raise invalid(f"data: URL {what}s must be base64 encoded")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise InvalidImageError(f"data: URL is not valid base64: {exc}") from exc
+        raise invalid(f"data: URL is not valid base64: {exc}") from exc
 
 
 def _open(data: bytes, max_pixels: int) -> Image.Image:
@@ -118,7 +120,7 @@ def decode_image(data, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> DecodedIma
         raw, source_bytes, encoded = data, 0, None
     else:
         if isinstance(data, str):
-            data = _bytes_from_data_url(data)
+            data = bytes_from_data_url(data)
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidImageError(f"cannot read an image from a {type(data).__name__}")
         data = bytes(data)

@@ -23,17 +23,18 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import av
 import numpy as np
-import torch
 import xxhash
 from PIL import Image
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms import functional as tvf
 
 from mmkv.errors import InvalidVideoError, VideoTooLargeError, VideoURLNotAllowedError
 from mmkv.images import MAX_ASPECT, MIN_SIDE, to_rgb
+from mmkv.images import bytes_from_data_url as image_bytes_from_data_url
+
+if TYPE_CHECKING:  # torch, torchvision and PyAV load when a video is decoded: `mmkv --help` stays light
+    import torch
 
 FPS = 2.0
 FRAME_FACTOR = 2  # frames per temporal patch
@@ -209,22 +210,19 @@ def frame_range(sampling: VideoSampling, total_frames: int, video_fps: float) ->
 
 
 # ---- decoding -------------------------------------------------------------------------------------
+def check_frame_size(w: int, h: int, limits: VideoLimits) -> None:
+    """A frame's size against `max_frame_pixels` and the sides and aspect ratio images allow."""
+    if w * h > limits.max_frame_pixels:
+        raise VideoTooLargeError(f"frames are {w}x{h} = {w * h} pixels, over the limit of {limits.max_frame_pixels} "
+                                 f"(max_frame_pixels)")
+    if min(w, h) < MIN_SIDE or max(w, h) / min(w, h) > MAX_ASPECT:
+        raise InvalidVideoError(f"frames are {w}x{h}; each side must be at least {MIN_SIDE} px and the aspect ratio at "
+                                f"most {MAX_ASPECT}:1")
+
+
 def bytes_from_data_url(url: str) -> bytes:
     """The payload of a base64 data: URL; any other scheme is refused (never fetched)."""
-    import base64
-    import binascii
-
-    if not url.startswith("data:"):
-        scheme = url.split(":", 1)[0] if ":" in url else "a path"
-        raise VideoURLNotAllowedError(f"video URLs with scheme {scheme!r} are not fetched; send a data: URL or "
-                                      f"upload the file and use its id")
-    header, _, payload = url.partition(",")
-    if ";base64" not in header:
-        raise InvalidVideoError("data: URL videos must be base64 encoded")
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise InvalidVideoError(f"data: URL is not valid base64: {exc}") from exc
+    return image_bytes_from_data_url(url, "video", VideoURLNotAllowedError, InvalidVideoError)
 
 
 def read_source(data) -> bytes:
@@ -250,6 +248,7 @@ class _Deadline:
 
 
 def _open(data: bytes):
+    import av
     try:
         container = av.open(io.BytesIO(data), mode="r")
     except (av.FFmpegError, ValueError, OSError, UnicodeDecodeError) as exc:
@@ -276,18 +275,14 @@ class _Header:
 
 def _probe(data: bytes, limits: VideoLimits, deadline: _Deadline) -> _Header:
     """Frame size, frame count (demuxed, not decoded) and rate; each checked against its limit."""
+    import av
     container = _open(data)
     try:
         stream = container.streams.video[0]
         w, h = stream.codec_context.width, stream.codec_context.height
         if w <= 0 or h <= 0:
             raise InvalidVideoError("the video stream has no frame size")
-        if w * h > limits.max_frame_pixels:
-            raise VideoTooLargeError(f"frames are {w}x{h} = {w * h} pixels, over the limit of "
-                                     f"{limits.max_frame_pixels} (max_frame_pixels)")
-        if min(w, h) < MIN_SIDE or max(w, h) / min(w, h) > MAX_ASPECT:
-            raise InvalidVideoError(f"frames are {w}x{h}; each side must be at least {MIN_SIDE} px and the aspect "
-                                    f"ratio at most {MAX_ASPECT}:1")
+        check_frame_size(w, h, limits)
         max_frames = limits.max_decoded_bytes // (w * h * 3)
         frames, last_pts = 0, None
         for packet in container.demux(stream):
@@ -333,6 +328,9 @@ def video_tokens(nframes: int, size: tuple[int, int], factor: int) -> int:
 
 def _resize(rgb: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
     """One HWC uint8 frame -> [3, H, W] uint8 at `size`, bicubic with antialias (as qwen-vl-utils)."""
+    import torch
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as tvf
     frame = torch.from_numpy(rgb).permute(2, 0, 1)
     if tuple(frame.shape[1:]) == size:
         return frame.contiguous()
@@ -342,6 +340,7 @@ def _resize(rgb: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
 def decode_video(data, budget: PixelBudget, sampling: VideoSampling = VideoSampling(),
                  limits: VideoLimits = VideoLimits()) -> DecodedVideo:
     """bytes | file object | data: URL | [(PIL image, seconds), ...] -> sampled, resized, hashed frames."""
+    import torch
     if isinstance(data, (list, tuple)):
         return _from_frames(data, budget, sampling, limits)
     raw = read_source(data)
@@ -364,6 +363,8 @@ def decode_video(data, budget: PixelBudget, sampling: VideoSampling = VideoSampl
 
 def _decode_frames(raw: bytes, indices: list[int], size: tuple[int, int], deadline: _Deadline) -> list[torch.Tensor]:
     """Decode the stream once, keeping (resized) the frames at `indices` (ascending, repeats allowed)."""
+    import av
+    import torch
     wanted: dict[int, int] = {}
     for i in indices:
         wanted[i] = wanted.get(i, 0) + 1
@@ -391,6 +392,7 @@ def _decode_frames(raw: bytes, indices: list[int], size: tuple[int, int], deadli
 def decode_all_frames(data, limits: VideoLimits, max_frames: int) -> list[tuple[np.ndarray, float]]:
     """Every frame of an encoded segment with its time from the segment's first frame (HWC uint8
     RGB), for a live stream's append; the limits as for a video, and at most `max_frames`."""
+    import av
     raw = read_source(data)
     if not raw:
         raise InvalidVideoError("video data is empty")
@@ -421,6 +423,7 @@ def _from_frames(frames: Sequence, budget: PixelBudget, sampling: VideoSampling,
                  limits: VideoLimits) -> DecodedVideo:
     """[(PIL image, seconds), ...] used as they are (no resampling: `fps`, `nframes` and the time
     range are refused), padded to an even count with the last frame, as qwen-vl-utils does."""
+    import torch
     set_fields = [k for k in ("fps", "nframes", "video_start", "video_end") if getattr(sampling, k) is not None]
     if set_fields:
         raise InvalidVideoError(f"{set_fields[0]} applies to encoded videos; frames with their times are used as "
@@ -441,12 +444,7 @@ def _from_frames(frames: Sequence, budget: PixelBudget, sampling: VideoSampling,
     w, h = images[0].size
     if any(img.size != (w, h) for img in images):
         raise InvalidVideoError("every frame must have the size of the first")
-    if w * h > limits.max_frame_pixels:
-        raise VideoTooLargeError(f"frames are {w}x{h} = {w * h} pixels, over the limit of {limits.max_frame_pixels} "
-                                 f"(max_frame_pixels)")
-    if min(w, h) < MIN_SIDE or max(w, h) / min(w, h) > MAX_ASPECT:
-        raise InvalidVideoError(f"frames are {w}x{h}; each side must be at least {MIN_SIDE} px and the aspect ratio at "
-                                f"most {MAX_ASPECT}:1")
+    check_frame_size(w, h, limits)
     nframes = ceil_by_factor(len(images), FRAME_FACTOR)
     size = smart_resize(h, w, budget.factor, *frame_pixels(budget, nframes, sampling))
     _check_plan(nframes, size, budget, limits)

@@ -298,7 +298,7 @@ class MMKVOptions(BaseModel):
                                        "moved positions spliced from their cached KV (approximate, reported).")
     fidelity: bool = Field(False, description="Also run the full recompute and report how far the fast path's "
                            "first next-token logits are from it (costs a full prefill).")
-    blend: BlendRatio | dict[Literal["image", "skill"], BlendRatio] | None = Field(
+    blend: BlendRatio | dict[Literal["image", "skill", "video", "turn"], BlendRatio] | None = Field(
         None, description="The fidelity dial: the share of each spliced chunk's tokens recomputed in context, "
         "0 (the plain splice) to 1 (a full recompute's KV); one ratio, or one per chunk kind (the others keep the "
         "server's --blend). Not with reuse false.")

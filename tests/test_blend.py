@@ -47,6 +47,30 @@ def _first(engine, messages, **kw) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("select", SELECTORS)
+def test_blend_one_equals_a_full_recompute_with_a_video(engine, select):
+    """The dial on a video's temporal groups: r = 1 recomputes every group token in context (the
+    logits of a full recompute); a ratio per kind reaches the groups as kind "video"."""
+    from mmkv.testing.clips import encode_clip
+
+    f = engine.registry.videos.budget.factor
+    vid = engine.add_video(encode_clip(16, 4, 64, 48, seed=5), max_pixels=4 * f * f)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "watch this"},
+                                             {"type": "video_file", "video_file": {"file_id": vid}},
+                                             {"type": "text", "text": "which way did it move ?"}]}]
+    full = _first(engine, messages, reuse=False)
+    splice = _first(engine, messages)
+    first = engine.generate(messages, max_new_tokens=1, blend={"video": 1.0}, blend_select=select)
+    assert (splice - full).abs().max().item() > 10 * TOL
+    assert (first.first_logits - full).abs().max().item() <= TOL
+    assert first.video_tokens_reused == 0 and {c.kind for c in first.blend.chunks} == {"video"}
+    assert all(c.recomputed == c.tokens for c in first.blend.chunks)
+    half = engine.generate(messages, max_new_tokens=1, blend={"video": 0.5}, blend_select=select)
+    assert 0 < sum(c.recomputed for c in half.blend.chunks) < sum(c.tokens for c in half.blend.chunks)
+    assert half.prefix_tokens_reused == 0  # its own setting's blocks: none yet
+    assert half.usage.cached_tokens == sum(c.tokens - c.recomputed for c in half.blend.chunks)
+
+
+@pytest.mark.parametrize("select", SELECTORS)
 def test_blend_one_equals_a_full_recompute(engine, select):
     """r = 1 recomputes every spliced token in context: the logits of a full recompute (deepstack
     features included on Qwen3-VL), also when a prefix-cache hit of an earlier r = 1 turn is reused."""
@@ -170,7 +194,7 @@ def test_bad_values_name_their_parameter(qwen25, kw, param):
 
 def test_kind_ratios_override_the_default():
     default = parse_blend({"image": 0.2}, "stride")
-    assert dict(parse_blend({"skill": 0.05}, None, default).ratios) == {"image": 0.2, "skill": 0.05}
+    assert dict(parse_blend({"skill": 0.05}, None, default).ratios) == {"image": 0.2, "skill": 0.05, "video": 0.0, "turn": 0.0}
     assert parse_blend(None, None, default) == default
     assert dict(parse_blend(0.4, None, default).ratios) == dict.fromkeys(CHUNK_KINDS, 0.4)
 
@@ -201,7 +225,7 @@ def test_server_reports_the_dial_and_refuses_bad_values(live):
     r = _post(server, {"blend": {"image": 0.4}, "blend_select": "stride"})
     assert r.status_code == 200, r.text
     report = r.json()["mmkv"]["blend"]
-    assert report["ratios"] == {"image": 0.4, "skill": 0.5} and report["select"] == "stride"
+    assert report["ratios"] == {"image": 0.4, "skill": 0.5, "video": 0.0, "turn": 0.0} and report["select"] == "stride"
     image = [c for c in report["chunks"] if c["kind"] == "image"][0]
     assert image["recomputed"] == count_for(0.4, image["tokens"]) > 0
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the image's chunk, built before

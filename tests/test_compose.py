@@ -241,3 +241,21 @@ def test_agent_window_conversations_drop_what_they_say(kind):
         assert tools == want_tools
         assert [c[-1]["text"] for c in users] == [s.item.question for s in conv.steps[:t + 1]]
         assert [m["content"] for m in msgs if m["role"] == "assistant"] == [s.item.answer for s in conv.steps[:t]]
+
+
+def test_the_dial_recomputes_composed_turns_in_context(engine):
+    """The fidelity dial on composed history: at r = 1 every composed turn's tokens (kind "turn")
+    and every image's are recomputed in context, so the turn equals a full recompute; at r = 0.5
+    about half of each composed turn is recomputed and the report counts it."""
+    tenant = "dial"
+    shots = [engine.add_image(make_png(56, 56, seed=40 + s), tenant=tenant) for s in range(3)]
+    first, second = _conversation(shots[:2], 1), _conversation([None, shots[1], shots[2]], 2)
+    for r in (1.0, 0.5):
+        engine.generate(first, max_new_tokens=1, history_policy="compose", tenant=tenant, blend=r)
+        got = engine.generate(second, max_new_tokens=1, history_policy="compose", tenant=tenant, blend=r)
+        assert got.history.composed_turns >= 1
+        turns = [c for c in got.blend.chunks if c.kind == "turn"]
+        assert turns and all(c.recomputed == (c.tokens if r == 1 else -(-c.tokens // 2)) for c in turns)
+        if r == 1.0:
+            full = engine.generate(second, max_new_tokens=1, reuse=False, tenant=tenant).first_logits
+            assert (got.first_logits - full).abs().max().item() <= TOL

@@ -87,7 +87,11 @@ def _stream(url: str, body: dict, out: list, i: int) -> None:
 def _run_clients(url: str, bodies: list[dict]) -> dict:
     """In the client process: every body at once, one thread each; the wall time and each result."""
     out: list = [None] * len(bodies)
-    threads = [threading.Thread(target=_stream, args=(url, b, out, i)) for i, b in enumerate(bodies)]
+    return _run_threads([threading.Thread(target=_stream, args=(url, b, out, i)) for i, b in enumerate(bodies)], out)
+
+
+def _run_threads(threads: list[threading.Thread], out: list) -> dict:
+    """Start every thread, wait for all; the wall time and `out`, which they fill."""
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -105,13 +109,7 @@ def _run_sequences(url: str, sequences: list[list[dict]]) -> dict:
     def client(c: int) -> None:
         for j, body in enumerate(sequences[c]):
             _stream(url, body, out, starts[c] + j)
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(len(sequences))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return {"wall": time.perf_counter() - t0, "results": out}
+    return _run_threads([threading.Thread(target=client, args=(c,)) for c in range(len(sequences))], out)
 
 
 def _token_times(url: str, body: dict, out: dict, started: threading.Event, after: int) -> None:

@@ -28,7 +28,8 @@ import torch
 from mmkv.errors import InvalidRequestError
 from mmkv.request.splice import Placement, SlotLayer, image_features
 
-CHUNK_KINDS = ("image", "skill")  # the spliced chunk kinds a ratio is set for
+# the spliced chunk kinds a ratio is set for: video, each temporal group; turn, a composed history turn
+CHUNK_KINDS = ("image", "skill", "video", "turn")
 SELECTORS = ("deviation", "stride")
 
 

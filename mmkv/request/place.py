@@ -163,8 +163,8 @@ class KVPlacer:
                 log.warning("edit policy %s failed, recomputing: %r", edit, exc)
                 result = None  # `plan` is still the client's: the exception came before any rewrite
                 report.applied, report.reason = "recompute", f"{edit} failed ({type(exc).__name__}); recomputed"
-        if result is None and history == "compose":  # the spec refuses it beside an edit policy or the dial
-            result, plan, insert, composed = self._prefill_composed(plan, salt, seam, policy)
+        if result is None and history == "compose":  # the spec refuses it beside an edit policy
+            result, plan, insert, composed, chooser = self._prefill_composed(plan, salt, seam, policy, blend)
         elif result is None:
             chooser = self._chooser(plan, blend)  # an erratum rewrote the plan
             result, insert = self._prefill_prefix(plan, salt, seam, policy, chooser)
@@ -272,14 +272,17 @@ class KVPlacer:
         blocks = self.prefix.lookup(keys, plan.input_ids.numel()) if keys else []
         return self._prefill_blocks(plan, blocks, keys, len(blocks), seam, policy, chooser)
 
-    def _prefill_composed(self, plan: SplicePlan, salt: str, seam: int,
-                          policy: str) -> tuple[PrefillResult, SplicePlan, Insert, HistoryReport]:
+    def _prefill_composed(self, plan: SplicePlan, salt: str, seam: int, policy: str, blend: Blend | None
+                          ) -> tuple[PrefillResult, SplicePlan, Insert, HistoryReport, BlendChooser | None]:
         """History policy "compose" (mmkv.request.compose): the stored turns placed as chunks, the
-        longer prefix hit of the exact and the compose salt, then the splice; once the first token
-        is out, the blocks and the new turns are stored."""
+        longer prefix hit of the exact and the compose salt, then the splice (blended by the dial:
+        composed turns are chunks of kind "turn"); once the first token is out, the blocks and the
+        new turns are stored."""
         comp = self.composer.compose(plan, salt, seam, self.settings.prefix_cache)
-        result, insert = self._prefill_blocks(comp.plan, comp.blocks, comp.insert_keys, comp.insert_from, seam, policy)
-        return result, comp.plan, self.composer.commit(comp, result, insert), comp.report
+        chooser = self._chooser(comp.plan, blend)
+        result, insert = self._prefill_blocks(comp.plan, comp.blocks, comp.insert_keys, comp.insert_from, seam, policy,
+                                              chooser)
+        return result, comp.plan, self.composer.commit(comp, result, insert), comp.report, chooser
 
     def _prefill_blocks(self, plan: SplicePlan, blocks: list, keys: list, have: int, seam: int,
                         policy: str, chooser: BlendChooser | None = None) -> tuple[PrefillResult, Insert | None]:

@@ -68,11 +68,7 @@ def build_spec(messages, *, vocab_size: int, default_seam: int, default_policy: 
     if not reuse and (blend is not None or blend_select is not None):
         raise InvalidRequestError("blend applies to spliced chunks; with reuse=false every token is recomputed "
                                   "already", param="blend" if blend is not None else "blend_select")
-    if history == "compose" and blend is not None:
-        raise InvalidRequestError("blend does not apply to composed history yet: use history_policy exact with blend",
-                                  param="blend")
-    # composed turns are placed by the Composer, not the dial: the server's default ratio does not apply
-    blended = parse_blend(blend, blend_select, None if history == "compose" else default_blend)
+    blended = parse_blend(blend, blend_select, default_blend)
     return RequestSpec(
         messages=messages, max_new_tokens=max_new_tokens,
         sampling=SamplingParams.build(
