@@ -9,6 +9,8 @@ tokenizer is not one llama.cpp's converter recognises. The conversion and server
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -210,3 +212,116 @@ def test_threads_are_the_same_for_both(snapshot, tmp_path):
     assert mine.port != theirs.port
     assert mine.argv[mine.argv.index("--port") + 1] == str(mine.port)
     assert argv[argv.index("--port") + 1] == str(theirs.port)
+
+
+# ---- aiperf against both servers --------------------------------------------------------------------
+def test_aiperf_datasets_are_new_per_rate(snapshot, tmp_path):
+    """Per rate, two single_turn datasets of the same requests that differ only in their
+    screenshots (one of its own per request; 3 repeated), none shown at an earlier rate; the
+    tokenizer aiperf reads is the checkpoint's own, offline from its hub cache."""
+    tok = _tokenizer(snapshot)
+    pictures = []
+    for rate in range(2):
+        sets = peers.aiperf_datasets(tmp_path, tok, SMALL, 5, rate)
+        assert list(sets) == list(peers.AIPERF_DATA)
+        lines = {name: [json.loads(x) for x in path.read_text().splitlines()] for name, path in sets.items()}
+        unique, repeated = (lines[name] for name in peers.AIPERF_DATA)
+        assert [x["text"] for x in unique] == [x["text"] for x in repeated] and len(unique) == 5
+        images = {name: [open(x["image"], "rb").read() for x in rows] for name, rows in lines.items()}
+        assert len(set(images[peers.AIPERF_DATA[0]])) == 5
+        assert images[peers.AIPERF_DATA[1]] == [images[peers.AIPERF_DATA[1]][k % 3] for k in range(5)]
+        assert len(set(images[peers.AIPERF_DATA[1]])) == 3
+        pictures.append(set(images[peers.AIPERF_DATA[0]]) | set(images[peers.AIPERF_DATA[1]]))
+    assert len(pictures[0]) == len(pictures[1]) == 8 and not pictures[0] & pictures[1]
+    name, env = peers.aiperf_tokenizer(snapshot)
+    assert name == "mmkv-peer/qwen2_5_vl-tiny" and env["HF_HUB_OFFLINE"] == "1"
+    probe = "from transformers import AutoTokenizer; import sys; print(AutoTokenizer.from_pretrained(sys.argv[1])" \
+            ".encode('what is in this picture ?'))"
+    out = subprocess.run([sys.executable, "-c", probe, name], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == str(tok.encode("what is in this picture ?")), out.stderr[-2000:]
+
+
+def test_aiperf_runs_both_servers_alike(snapshot, tmp_path, monkeypatch):
+    """aiperf's runs: per rate and dataset one for each server, the servers' order alternating; the
+    two runs differ only in the server's URL and their output folder (the same dataset, seed, rate,
+    completion length and banned end tokens, the checkpoint's tokenizer offline); one table row each."""
+    from mmkv.bench import serve
+
+    calls = []
+
+    def fake_profile(cmd, out_dir, env=None):
+        calls.append((cmd, out_dir, env))
+        return {"ttft_ms": {50: 10.0, 90: 20.0, 99: 30.0}, "req_s": 0.5, "tokens_s": 4.0, "requests": 3, "errors": 0,
+                "prompt_tokens": 99.0, "cached_share": 0.25}
+
+    monkeypatch.setattr(serve, "profile", fake_profile)
+    servers = [peers.Server(MMKV, [], {}, None), peers.Server(PEER, [], {}, None)]
+    lines = []
+    rows = peers.aiperf_bench(servers, snapshot, _tokenizer(snapshot), SMALL, (0.25, 0.5), 3, 8, 7, tmp_path,
+                              lines.append)
+    assert [(r["server"], r["data"], r["rate"]) for r in rows] == [
+        (MMKV, peers.AIPERF_DATA[0], 0.25), (PEER, peers.AIPERF_DATA[0], 0.25),
+        (PEER, peers.AIPERF_DATA[1], 0.25), (MMKV, peers.AIPERF_DATA[1], 0.25),
+        (MMKV, peers.AIPERF_DATA[0], 0.5), (PEER, peers.AIPERF_DATA[0], 0.5),
+        (PEER, peers.AIPERF_DATA[1], 0.5), (MMKV, peers.AIPERF_DATA[1], 0.5)]
+    by_url = {s.url: s.name for s in servers}
+
+    def arg(cmd, flag):
+        return cmd[cmd.index(flag) + 1]
+    for (a, a_dir, env), (b, b_dir, _) in zip(calls[::2], calls[1::2]):
+        assert {by_url[arg(a, "--url")], by_url[arg(b, "--url")]} == {MMKV, PEER}
+        assert a_dir != b_dir and a_dir.parent == b_dir.parent and arg(a, "--output-artifact-dir") == str(a_dir)
+        same = [x for x in a if x not in (arg(a, "--url"), str(a_dir))]
+        assert same == [x for x in b if x not in (arg(b, "--url"), str(b_dir))]
+        assert arg(a, "--input-file") == str(a_dir.parent / "dataset.jsonl")
+        assert arg(a, "--arrival-pattern") == "poisson" and arg(a, "--random-seed") == "7"
+        assert arg(a, "--model") == peers.MODEL and arg(a, "--tokenizer") == "mmkv-peer/qwen2_5_vl-tiny"
+        assert arg(a, "--prompt-output-tokens-mean") == "8" and arg(a, "--request-count") == "3"
+        assert json.loads(arg(a, "--extra-inputs"))["logit_bias"] == {"151645": -100, "151643": -100}
+        assert env["HF_HUB_OFFLINE"] == "1" and env["HF_HUB_CACHE"] == str(snapshot.parents[2])
+    assert [float(arg(c, "--request-rate")) for c, _, _ in calls] == [0.25] * 4 + [0.5] * 4
+    assert len(lines) == 1 + 8 and lines[1] == f"| {MMKV} | {peers.AIPERF_DATA[0]} | 0.25 | 3 (0) | 99 | 10 | 20 | 30 | " \
+        "0.50 | 4.0 | 25.0% |"
+
+
+def _tokenizer(snapshot):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(snapshot)
+
+
+def test_aiperf_rates_are_checked(tmp_path):
+    """--aiperf-rates takes positive numbers: anything else is refused, naming the option, before a
+    server starts or a checkpoint is written."""
+    pytest.importorskip("aiperf", reason="the bench extra (pip install 'mmkv[bench]') holds aiperf")
+    from typer.testing import CliRunner
+
+    from mmkv.cli import app
+
+    for bad in ("0,0.5", "fast", ""):
+        out = CliRunner().invoke(app, ["bench-peers", "--aiperf", "--aiperf-rates", bad, "--work-dir", str(tmp_path)])
+        assert out.exit_code == 2 and "--aiperf-rates" in out.output, out.output
+    assert not any(tmp_path.iterdir())
+
+
+def test_missing_peer_names_a_command_that_builds_it(tmp_path, monkeypatch):
+    """build-path finding: with no peer, the error named `mmkv bench-peers --build-peer DIR`, which
+    the command refuses (--build-peer is a flag; the folder is --peer-dir). The command it names
+    now builds into that folder."""
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from mmkv.cli import app
+
+    root = tmp_path / "peer"
+    with pytest.raises(PeerError) as err:
+        find_peer(root)
+    command = shlex.split(str(err.value).split("`")[1])
+    assert command[:2] == ["mmkv", "bench-peers"]
+    built = []
+    monkeypatch.setattr(peers, "build_peer", lambda where, jobs, version: built.append(where) or
+                        peers.Peer(where, where, where, {"version": "x"}))
+    out = CliRunner().invoke(app, command[1:])
+    assert out.exit_code == 0, out.output
+    assert built == [root]

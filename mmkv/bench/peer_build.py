@@ -69,7 +69,7 @@ class Peer:
 def find_peer(root: Path = DEFAULT_PEER_DIR) -> Peer:
     """The peer built under `root` (`build_peer`), or PeerError naming the command that builds it."""
     record = root / "peer.json"
-    hint = f"build it with `mmkv bench-peers --build-peer {root}` (pip downloads {PACKAGE}; cmake and g++ build it)"
+    hint = f"build it with `mmkv bench-peers --build-peer --peer-dir {root}` (pip downloads {PACKAGE}; cmake and g++ build it)"
     if not record.is_file():
         raise PeerError(f"no llama.cpp peer under {root}: {hint}")
     build = json.loads(record.read_text())

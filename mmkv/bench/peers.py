@@ -446,6 +446,68 @@ def agreement_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+# ---- aiperf: the same Poisson arrivals against both ---------------------------------------------------
+AIPERF_DATA = ("a screenshot per request", "3 screenshots repeated")
+
+
+def aiperf_datasets(out_dir: Path, tokenizer, sizes: Sizes, n: int, rate_index: int) -> dict[str, Path]:
+    """aiperf's single_turn datasets for one rate (mmkv.bench.serve.write_aiperf_lines): the shared
+    policy, a step line of each request's own and a `shot_px` screenshot, one of its own per request
+    or 3 repeated. Each rate gets pictures no earlier rate showed, so neither server starts warm."""
+    from mmkv.bench.run import picture_png
+    from mmkv.bench.serve import POLICY_SENTENCE, write_aiperf_lines
+
+    policy = _words(tokenizer, sizes.policy_tokens, POLICY_SENTENCE)
+    first = 2000 + rate_index * (n + 3)  # the probes' pictures are 1000 on
+    unique = [picture_png(sizes.shot_px, first + i) for i in range(n)]
+    repeated = [picture_png(sizes.shot_px, first + n + i) for i in range(3)]
+    return {name: write_aiperf_lines(out_dir / f"rate-{rate_index}" / tag / "dataset.jsonl", policy, pngs, n)
+            for name, tag, pngs in zip(AIPERF_DATA, ("unique", "repeated"), (unique, repeated))}
+
+
+def aiperf_tokenizer(snapshot: Path) -> tuple[str, dict]:
+    """aiperf reads the checkpoint's own tokenizer offline from the hub cache the checkpoint sits in
+    (HUB/models--OWNER--NAME/snapshots/REV): its hub id, and aiperf's environment."""
+    repo = snapshot.parent.parent
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(repo.parent)}
+    return repo.name.removeprefix("models--").replace("--", "/"), env
+
+
+def aiperf_bench(servers: list[Server], snapshot: Path, tokenizer, sizes: Sizes, rates: tuple, n: int,
+                 max_tokens: int, seed: int, out_dir: Path, show=print) -> list[dict]:
+    """aiperf against each server at each rate and dataset: its chat endpoint, streamed, the same
+    seeded Poisson arrivals for both (mmkv.bench.serve.aiperf_command), the servers' order
+    alternating run by run; one row each from aiperf's own export."""
+    from mmkv.bench.serve import Workload, aiperf_command, profile
+
+    workload = Workload(MODEL, "", max_tokens, END_TOKENS)
+    name, env = aiperf_tokenizer(snapshot)
+    rows, k = [], 0
+    show(aiperf_header())
+    for i, rate in enumerate(rates):
+        for data, path in aiperf_datasets(out_dir, tokenizer, sizes, n, i).items():
+            k += 1
+            for s in servers if k % 2 else servers[::-1]:
+                run_dir = path.parent / s.name
+                cmd = aiperf_command(s.url, workload, rate, n, seed, run_dir, path, sizes.shot_px,
+                                     sizes.policy_tokens, tokenizer=name)
+                rows.append({"server": s.name, "data": data, "rate": rate, **profile(cmd, run_dir, env)})
+                show(aiperf_line(rows[-1]))
+    return rows
+
+
+def aiperf_header() -> str:
+    return ("| server | screenshots | offered req/s | requests (errors) | prompt tokens | p50 TTFT ms | p90 TTFT ms | "
+            "p99 TTFT ms | req/s | tokens/s | cached share |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def aiperf_line(r: dict) -> str:
+    t = r["ttft_ms"]
+    return (f"| {r['server']} | {r['data']} | {r['rate']:.2f} | {r['requests']} ({r['errors']}) | "
+            f"{r['prompt_tokens']:.0f} | {t[50]:.0f} | {t[90]:.0f} | {t[99]:.0f} | {r['req_s']:.2f} | "
+            f"{r['tokens_s']:.1f} | {100 * r['cached_share']:.1f}% |")
+
+
 # ---- replay and report ------------------------------------------------------------------------------
 def replay(cases: list[Case], servers: list[Server], max_tokens: int, progress=print) -> dict[str, dict[str, list]]:
     """Every case's sessions turn by turn through every server, the servers' order alternating
@@ -551,6 +613,14 @@ def bench_peers_command(
     skill_tokens: Annotated[int, typer.Option(min=16)] = 2048,
     check_only: Annotated[bool, typer.Option("--check-only", help="Only the prompt-count and greedy-token check.")] =
         False,
+    aiperf: Annotated[bool, typer.Option("--aiperf", help="Instead of the conversations: aiperf drives both servers "
+                                                          "at each of --aiperf-rates, the same Poisson arrivals, "
+                                                          "screenshots of their own and repeated (pip install "
+                                                          "'mmkv[bench]').")] = False,
+    aiperf_rates: Annotated[str, typer.Option(help="--aiperf: offered requests per second, comma-separated.")] =
+        "0.25,0.5",
+    aiperf_requests: Annotated[int, typer.Option(min=2, help="--aiperf: requests per server, rate and dataset.")] = 8,
+    seed: Annotated[int, typer.Option(help="--aiperf: the arrivals' seed.")] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report here.")] = None,
 ) -> None:
     """mmkv beside llama.cpp's llama-server on one checkpoint, one client: prompt counts and greedy
@@ -559,13 +629,20 @@ def bench_peers_command(
                                  (outtype, ("f32", "f16"), "--outtype")):
         if value not in allowed:
             raise typer.BadParameter(f"expected one of {', '.join(allowed)}", param_hint=name)
+    rates = ()
+    if aiperf:
+        from mmkv.bench.serve import _floats, require_aiperf
+
+        require_aiperf()
+        rates = _floats(aiperf_rates, "--aiperf-rates")
     try:
         if build_peer_:
             peer = build_peer(peer_dir.expanduser(), jobs, peer_version)
             print(json.dumps(peer.build, indent=2))
             return
         report = run(find_peer(peer_dir.expanduser()), work_dir.expanduser(), family, size, outtype, threads,
-                     Sizes(rounds=rounds, agent_turns=agent_turns, skill_tokens=skill_tokens), max_tokens, check_only)
+                     Sizes(rounds=rounds, agent_turns=agent_turns, skill_tokens=skill_tokens), max_tokens, check_only,
+                     Aiperf(rates, aiperf_requests, seed))
     except PeerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(1) from None
@@ -573,8 +650,15 @@ def bench_peers_command(
         json_out.write_text(json.dumps(report, indent=2) + "\n")
 
 
+@dataclass
+class Aiperf:
+    rates: tuple[float, ...] = ()  # none: the conversations instead
+    requests: int = 8
+    seed: int = 0
+
+
 def run(peer: Peer, work: Path, family: str, size: str, outtype: str, threads: int, sizes: Sizes, max_tokens: int,
-        check_only: bool) -> dict:
+        check_only: bool, aiperf: Aiperf | None = None) -> dict:
     from transformers import AutoTokenizer
 
     snapshot, model, mmproj = _prepare(peer, work, family, size, outtype)
@@ -592,12 +676,17 @@ def run(peer: Peer, work: Path, family: str, size: str, outtype: str, threads: i
         pics = Pictures()
         pics.n = 1000  # the probes' pictures are not the cases'
         checks = probes(tokenizer, pics, sizes)
-        cases = [] if check_only else build_cases(tokenizer, sizes)
+        cases = [] if check_only or aiperf and aiperf.rates else build_cases(tokenizer, sizes)
         for s in servers:
             s.add_skills(skills_in(cases) + skills_in([Case("probes", [[t for _, t in checks]])]))
         report["agreement"] = agreement(servers, checks)
         print("\n".join(agreement_lines(report["agreement"])))
-        if not check_only:
+        if aiperf and aiperf.rates and not check_only:
+            print(f"\n# aiperf, Poisson arrivals (seed {aiperf.seed}), {aiperf.requests} requests a run, "
+                  f"{max_tokens} completion tokens, {sizes.policy_tokens}-token policy, {sizes.shot_px} px screenshots")
+            report["aiperf"] = aiperf_bench(servers, snapshot, tokenizer, sizes, aiperf.rates, aiperf.requests,
+                                            max_tokens, aiperf.seed, work / "aiperf")
+        elif not check_only:
             results = replay(cases, servers, max_tokens)
             report["rows"] = summarize(results)
             report["turns"] = {case: {name: [asdict(t) for t in turns] for name, turns in by.items()}

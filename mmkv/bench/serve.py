@@ -396,17 +396,23 @@ def write_aiperf_dataset(path: Path, engine, n: int, screenshots: int, policy_to
     recomputes it, mmkv splices it. `screenshots` = `n`: every request's its own."""
     from mmkv.bench.run import _picture, _text_of
 
+    pictures = [_picture(engine, image_tokens, variant=first_variant + i) for i in range(screenshots)]
+    return write_aiperf_lines(path, _text_of(engine.adapter.tokenizer, policy_tokens, POLICY_SENTENCE), pictures, n)
+
+
+def write_aiperf_lines(path: Path, policy: str, pictures: list[bytes], n: int) -> Path:
+    """`n` single_turn lines: `policy`, a step line of each request's own, and the PNG `pictures`
+    (written beside the file) in turn."""
     path.parent.mkdir(parents=True, exist_ok=True)
     files = []
-    for i in range(screenshots):
+    for i, png in enumerate(pictures):
         f = path.parent / f"screenshot-{i}.png"
-        f.write_bytes(_picture(engine, image_tokens, variant=first_variant + i))
+        f.write_bytes(png)
         files.append(f)
-    policy = _text_of(engine.adapter.tokenizer, policy_tokens, POLICY_SENTENCE)
     with path.open("w") as out:
         for k in range(n):
             out.write(json.dumps({"text": f"{policy}\nstep {k} : what changed on this screen ?",
-                                  "image": str(files[k % screenshots].resolve())}) + "\n")
+                                  "image": str(files[k % len(files)].resolve())}) + "\n")
     return path
 
 
@@ -435,23 +441,37 @@ def aiperf_command(url: str, workload: Workload, rate: float, n: int, seed: int,
 
 
 def aiperf_summary(out_dir: Path) -> dict:
-    """TTFT percentiles (ms), requests per second, errors and the cached share of prompt tokens
-    from aiperf's own export."""
+    """TTFT percentiles (ms), requests and output tokens per second, errors and the cached share of
+    prompt tokens from aiperf's own export."""
     d = json.loads((out_dir / "profile_export_aiperf.json").read_text())
     ttft = d["time_to_first_token"]
     return {"ttft_ms": {p: ttft[f"p{p}"] for p in PERCENTILES}, "req_s": d["request_throughput"]["avg"],
+            "tokens_s": d["output_token_throughput"]["avg"],
             "requests": int(d["request_count"]["avg"]),
             "errors": int(sum(e.get("count", 0) for e in d.get("error_summary") or [])),
             "prompt_tokens": d["usage_prompt_tokens"]["avg"],
             "cached_share": d.get("overall_usage_prompt_cache_read_pct", {}).get("avg", 0.0) / 100}
 
 
-def check_aiperf() -> None:
-    """aiperf importable and its tokenizer offline in HF_HUB_CACHE, or a typer error saying how."""
+def profile(cmd: list[str], out_dir: Path, env: dict | None = None) -> dict:
+    """One `aiperf profile` run (`aiperf_command`, writing into `out_dir`), its summary."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"aiperf failed ({proc.returncode}): {(proc.stderr or proc.stdout)[-2000:]}")
+    return aiperf_summary(out_dir)
+
+
+def require_aiperf() -> None:
+    """aiperf importable, or a typer error saying how to install it."""
     import importlib.util
 
     if importlib.util.find_spec("aiperf") is None:
         raise typer.BadParameter("needs aiperf: pip install 'mmkv[bench]'", param_hint="--aiperf")
+
+
+def check_aiperf() -> None:
+    """aiperf importable and its tokenizer offline in HF_HUB_CACHE, or a typer error saying how."""
+    require_aiperf()
     cache = os.environ.get("HF_HUB_CACHE")
     repo = "models--" + AIPERF_TOKENIZER.replace("/", "--")
     if not cache or not (Path(cache) / repo).is_dir() or os.environ.get("HF_HUB_OFFLINE") != "1":
@@ -486,10 +506,7 @@ def run_aiperf(engine, settings: Settings, rate: float, out_dir: Path, show=prin
             run_dir = out_dir / ("synthetic" if data is None else data.parent.name)
             cmd = aiperf_command(server[2], workload, rate, n, settings.seed, run_dir, data, px,
                                  settings.policy_tokens)
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if proc.returncode:
-                raise RuntimeError(f"aiperf failed ({proc.returncode}): {(proc.stderr or proc.stdout)[-2000:]}")
-            rows[name] = r = aiperf_summary(run_dir)
+            rows[name] = r = profile(cmd, run_dir)
             t = r["ttft_ms"]
             show(f"| {name} | {rate:.2f} | {r['requests']} ({r['errors']}) | {r['prompt_tokens']:.0f} | {t[50]:.0f} | "
                  f"{t[90]:.0f} | {t[99]:.0f} | {r['req_s']:.2f} | {100 * r['cached_share']:.1f}% |")
