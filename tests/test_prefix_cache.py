@@ -4,6 +4,7 @@ against its byte budget is at least the heap they hold, measured with tracemallo
 from __future__ import annotations
 
 import gc
+import sys
 import tracemalloc
 
 import pytest
@@ -34,6 +35,8 @@ def _store_references(chunk: CachedChunk, blocks: int, per_request: int) -> tupl
     cache = PrefixCache(store)
     ids = torch.arange(blocks * BLOCK_TOKENS + 1) % 1000
     gc.collect()
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(60)  # no other Python thread runs (and allocates) while this one measures
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
@@ -47,6 +50,7 @@ def _store_references(chunk: CachedChunk, blocks: int, per_request: int) -> tupl
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
+        sys.setswitchinterval(switch)
     assert len(store) == blocks + 1 and all(isinstance(e, ChunkRefBlock) for e in store._entries.values()
                                             if e is not chunk)
     store.check_integrity()
