@@ -220,3 +220,22 @@ def test_a_fault_at_join_keeps_the_server_healthy(tiny_dirs, monkeypatch):
         assert httpx.get(f"{live.base_url}/health", timeout=10).status_code == 503
     finally:
         live.close()
+
+
+def test_the_loop_survives_an_engine_without_first_sight_builds():
+    """review finding: the loop's idle check read `engine.first_sight` unguarded, so a scheduler
+    over an engine without first-sight builds (a test double, another engine) died in its first
+    wait, outside any request's stages; now the check has no builds to run and the loop lives."""
+    import time
+
+    from mmkv.request.scheduler import Scheduler
+
+    class Bare:
+        _lock = threading.Lock()
+
+    scheduler = Scheduler(Bare()).start()
+    try:
+        time.sleep(0.05)
+        assert scheduler.alive
+    finally:
+        scheduler.stop()

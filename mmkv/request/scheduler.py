@@ -179,8 +179,11 @@ class Scheduler:
         self._shut_down()
 
     def _builds_pending(self) -> bool:
-        """First-sight chunk builds wait (mmkv.request.first_sight): idle turns run them, after the shadows."""
-        return self.engine.first_sight.builds.pending > 0
+        """First-sight chunk builds wait (mmkv.request.first_sight): idle turns run them, after the
+        shadows. An engine without them (one that never computes an image on first sight) has none;
+        this runs in the loop's wait, outside any request's stages, so it must not raise."""
+        first_sight = getattr(self.engine, "first_sight", None)
+        return first_sight is not None and first_sight.builds.pending > 0
 
     def _fail_in_flight(self, exc: BaseException) -> None:
         """Fail the prefilling and running requests and start the batch afresh: the loop goes on
