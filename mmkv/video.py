@@ -337,19 +337,25 @@ def _resize(rgb: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
     return tvf.resize(frame, list(size), interpolation=InterpolationMode.BICUBIC, antialias=True)
 
 
-def decode_video(data, budget: PixelBudget, sampling: VideoSampling = VideoSampling(),
-                 limits: VideoLimits = VideoLimits()) -> DecodedVideo:
-    """bytes | file object | data: URL | [(PIL image, seconds), ...] -> sampled, resized, hashed frames."""
-    import torch
-    if isinstance(data, (list, tuple)):
-        return _from_frames(data, budget, sampling, limits)
+def _read_and_probe(data, limits: VideoLimits) -> tuple[bytes, _Deadline, _Header]:
+    """An encoded video's bytes, checked against `max_bytes`, its decode deadline started, and its
+    container probed (stream, size, duration, frames) within the limits."""
     raw = read_source(data)
     if not raw:
         raise InvalidVideoError("video data is empty")
     if len(raw) > limits.max_bytes:
         raise VideoTooLargeError(f"the video is {len(raw)} bytes, over the limit of {limits.max_bytes} (max_bytes)")
     deadline = _Deadline(limits.timeout_s)
-    head = _probe(raw, limits, deadline)
+    return raw, deadline, _probe(raw, limits, deadline)
+
+
+def decode_video(data, budget: PixelBudget, sampling: VideoSampling = VideoSampling(),
+                 limits: VideoLimits = VideoLimits()) -> DecodedVideo:
+    """bytes | file object | data: URL | [(PIL image, seconds), ...] -> sampled, resized, hashed frames."""
+    import torch
+    if isinstance(data, (list, tuple)):
+        return _from_frames(data, budget, sampling, limits)
+    raw, deadline, head = _read_and_probe(data, limits)
     first, last = frame_range(sampling, head.frames, head.fps)
     nframes = smart_nframes(sampling, last - first + 1, head.fps)
     size = smart_resize(head.height, head.width, budget.factor, *frame_pixels(budget, nframes, sampling))
@@ -393,13 +399,7 @@ def decode_all_frames(data, limits: VideoLimits, max_frames: int) -> list[tuple[
     """Every frame of an encoded segment with its time from the segment's first frame (HWC uint8
     RGB), for a live stream's append; the limits as for a video, and at most `max_frames`."""
     import av
-    raw = read_source(data)
-    if not raw:
-        raise InvalidVideoError("video data is empty")
-    if len(raw) > limits.max_bytes:
-        raise VideoTooLargeError(f"the video is {len(raw)} bytes, over the limit of {limits.max_bytes} (max_bytes)")
-    deadline = _Deadline(limits.timeout_s)
-    head = _probe(raw, limits, deadline)
+    raw, deadline, head = _read_and_probe(data, limits)
     if head.frames > max_frames:
         raise VideoTooLargeError(f"the segment has {head.frames} frames, over the limit of {max_frames} a segment")
     out: list[tuple[np.ndarray, float]] = []
