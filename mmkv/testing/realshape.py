@@ -153,6 +153,14 @@ _QWEN3_VIDEO_PREPROCESSOR = {"size": {"longest_edge": 25165824, "shortest_edge":
                              "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
                              "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
                              "video_processor_type": "Qwen3VLVideoProcessor"}
+# Qwen3-VL-8B's vision tower (4 of 27 blocks, narrow), template and processors: the dense and the MoE
+# entries share them, as the released Qwen3-VL-8B and 30B-A3B do.
+_QWEN3_VISION_AND_PROCESSOR = dict(
+    vision=dict(depth=4, hidden_size=144, intermediate_size=544, num_heads=2, out_hidden_size=256,
+                hidden_act="gelu_pytorch_tanh", patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                num_position_embeddings=2304, deepstack_visual_indexes=[1, 2, 3], in_channels=3),
+    tie_word_embeddings=False, chat_template=QWEN3_VL_CHAT_TEMPLATE,
+    preprocessor_config=_QWEN3_PREPROCESSOR, video_preprocessor_config=_QWEN3_VIDEO_PREPROCESSOR)
 
 RELEASED: dict[str, ReleasedCheckpoint] = {
     # Qwen2-VL-2B-Instruct: 12 heads / 2 KV, tied embeddings, vocab 151936.
@@ -191,11 +199,7 @@ RELEASED: dict[str, ReleasedCheckpoint] = {
                   rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
                                    "mrope_interleaved": True},
                   **_SPECIAL_CONFIG),
-        vision=dict(depth=4, hidden_size=144, intermediate_size=544, num_heads=2, out_hidden_size=256,
-                    hidden_act="gelu_pytorch_tanh", patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                    num_position_embeddings=2304, deepstack_visual_indexes=[1, 2, 3], in_channels=3),
-        tie_word_embeddings=False, chat_template=QWEN3_VL_CHAT_TEMPLATE,
-        preprocessor_config=_QWEN3_PREPROCESSOR, video_preprocessor_config=_QWEN3_VIDEO_PREPROCESSOR),
+        **_QWEN3_VISION_AND_PROCESSOR),
     # Qwen3-VL-30B-A3B-Instruct: Qwen3-VL-8B's vision tower, template and processor; 32 heads / 4 KV
     # of head_dim 128, 48 sparse layers of 128 experts (8 per token, 768 wide), untied, vocab 151936.
     "qwen3_vl_moe": ReleasedCheckpoint(
@@ -208,11 +212,7 @@ RELEASED: dict[str, ReleasedCheckpoint] = {
                   rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
                                    "mrope_interleaved": True},
                   **_SPECIAL_CONFIG),
-        vision=dict(depth=4, hidden_size=144, intermediate_size=544, num_heads=2, out_hidden_size=256,
-                    hidden_act="gelu_pytorch_tanh", patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                    num_position_embeddings=2304, deepstack_visual_indexes=[1, 2, 3], in_channels=3),
-        tie_word_embeddings=False, chat_template=QWEN3_VL_CHAT_TEMPLATE,
-        preprocessor_config=_QWEN3_PREPROCESSOR, video_preprocessor_config=_QWEN3_VIDEO_PREPROCESSOR),
+        **_QWEN3_VISION_AND_PROCESSOR),
 }
 
 # The MoE's fused expert weights, stored [experts, in, out] as released (transformers 5 holds them
