@@ -79,3 +79,23 @@ def sample_module(name: str):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def transformers_greedy(model_dir, max_new_tokens: int):
+    """The reference for `reuse=False`: transformers' own processor and `generate` (greedy, end
+    tokens disabled) on one image and a question. Returns the same request in mmkv's message form,
+    the processor's prompt ids and the generated ids."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    img = Image.open(io.BytesIO(make_png(120, 80, seed=4))).convert("RGB")
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image"},
+                                         {"type": "text", "text": "what color is the shape ?"}]}]
+    text = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[img], return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1)
+    ours = [{"role": "user", "content": [{"type": "text", "text": "see"}, img,
+                                         {"type": "text", "text": "what color is the shape ?"}]}]
+    return ours, inputs["input_ids"][0], out[0, inputs["input_ids"].shape[1]:].tolist()

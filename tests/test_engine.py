@@ -4,12 +4,9 @@ transformers, and bad input changes nothing."""
 from __future__ import annotations
 
 import base64
-import io
 
 import pytest
 import torch
-from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from mmkv import (
     Engine,
@@ -22,7 +19,7 @@ from mmkv import (
     UnknownImageError,
 )
 
-from conftest import make_png
+from conftest import make_png, transformers_greedy
 
 
 @pytest.fixture(scope="module")
@@ -94,18 +91,8 @@ def test_lru_eviction_keeps_budget(tiny_dirs):
 def test_reuse_false_equals_plain_transformers(tiny_dirs, family):
     d = tiny_dirs[family]
     eng = Engine.from_pretrained(d, dtype=torch.float32, device="cpu")
-    processor = AutoProcessor.from_pretrained(d)
-    model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32)
-    img = Image.open(io.BytesIO(make_png(120, 80, seed=4))).convert("RGB")
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image"},
-                                         {"type": "text", "text": "what color is the shape ?"}]}]
-    text = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    inputs = processor(text=[text], images=[img], return_tensors="pt")
-    out = model.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=-1)
-    want = out[0, inputs["input_ids"].shape[1]:].tolist()
-    ours = [{"role": "user", "content": [{"type": "text", "text": "see"}, img,
-                                         {"type": "text", "text": "what color is the shape ?"}]}]
-    assert torch.equal(eng.prompt_ids(ours), inputs["input_ids"][0])
+    ours, prompt_ids, want = transformers_greedy(d, 12)
+    assert torch.equal(eng.prompt_ids(ours), prompt_ids)
     eng.stop_ids = set()  # compare all 12 tokens, as generate does with eos disabled
     got = eng.generate(ours, max_new_tokens=12, reuse=False)
     assert got.token_ids == want

@@ -6,18 +6,14 @@ and rotation suites (tests/test_splice.py, tests/test_rerotate.py) and the real-
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
-from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from mmkv import Engine
 from mmkv.adapters import load_adapter
 from mmkv.request.oracle import block_masked_logits
 
-from conftest import make_png
+from conftest import make_png, transformers_greedy
 
 TOL = 1e-4  # float32 logits
 
@@ -50,24 +46,14 @@ def test_the_moe_loads_with_its_adapter_and_the_dense_models_rope(engine, tiny_d
 
 
 def test_reuse_false_equals_transformers_generate(engine, tiny_dirs):
-    d = tiny_dirs["qwen3_vl_moe"]
-    processor = AutoProcessor.from_pretrained(d)
-    model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32)
-    img = Image.open(io.BytesIO(make_png(120, 80, seed=4))).convert("RGB")
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image"},
-                                         {"type": "text", "text": "what color is the shape ?"}]}]
-    text = processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    inputs = processor(text=[text], images=[img], return_tensors="pt")
-    out = model.generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=-1)
-    ours = [{"role": "user", "content": [{"type": "text", "text": "see"}, img,
-                                         {"type": "text", "text": "what color is the shape ?"}]}]
-    assert torch.equal(engine.prompt_ids(ours), inputs["input_ids"][0])
+    ours, prompt_ids, want = transformers_greedy(tiny_dirs["qwen3_vl_moe"], 10)
+    assert torch.equal(engine.prompt_ids(ours), prompt_ids)
     stop_ids, engine.stop_ids = engine.stop_ids, set()  # all 10 tokens, as generate does with eos disabled
     try:
         got = engine.generate(ours, max_new_tokens=10, reuse=False)
     finally:
         engine.stop_ids = stop_ids
-    assert got.token_ids == out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert got.token_ids == want
 
 
 def test_an_image_and_a_skill_asked_twice_reuse_their_kv_and_equal_the_oracle(engine):
