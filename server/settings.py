@@ -11,6 +11,7 @@ class ServerSettings:
     max_queue: int = 64  # engine jobs waiting before new ones get 429
     max_batch: int = 8  # generations decoded together (continuous batching); more wait in the queue
     prefill_chunk: int = 512  # prompt tokens per prefill forward between decode steps; 0 = whole prefills
+    prefill_slice_ms: float = 100.0  # a turn's prefill runs as forwards of about this long, arrivals looked at between; 0 = one
     max_body_bytes: int = 32 << 20  # any request body, uploads and data: URLs included (413 above)
     body_timeout_s: float = 60.0  # a request body must arrive within this, from the first byte (408)
     file_store_bytes: int = 2 << 30  # uploaded image bytes kept, all tenants together (507)
@@ -44,6 +45,7 @@ class ServerSettings:
         assert self.max_queue >= 1, "max_queue must be at least 1"
         assert self.max_batch >= 1, "max_batch must be at least 1"
         assert self.prefill_chunk >= 0, "prefill_chunk must be >= 0 (0: prefills are not chunked)"
+        assert self.prefill_slice_ms >= 0, "prefill_slice_ms must be >= 0 (0: a turn's share is one forward)"
         assert self.max_body_bytes > 0 and self.file_store_bytes > 0, "byte limits must be positive"
         assert self.key_file_bytes > 0 and self.key_files > 0, "per-key quotas must be positive"
         assert min(self.skill_store_bytes, self.key_skill_bytes, self.key_skills) > 0, "skill quotas must be positive"

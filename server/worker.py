@@ -66,14 +66,15 @@ class EngineWorker:
     """Runs jobs on one thread. `submit` and `cancel` are thread-safe; `stats` is the engine's
     `stats()` as of the last finished job (read without touching the engine)."""
 
-    def __init__(self, engine, max_queue: int = 64, max_batch: int = 8, prefill_chunk: int = 512, shadow=None):
+    def __init__(self, engine, max_queue: int = 64, max_batch: int = 8, prefill_chunk: int = 512, shadow=None,
+                 prefill_slice_ms: float = 100.0):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
         self.max_queue = max_queue
         from mmkv.request.scheduler import Scheduler  # here: importing the server must not import torch
 
-        self.scheduler = Scheduler(engine, max_batch, prefill_chunk, shadow)
+        self.scheduler = Scheduler(engine, max_batch, prefill_chunk, shadow, prefill_slice_ms=prefill_slice_ms)
         self.stats: dict[str, Any] = {}
         self._pending: deque[Job] = deque()
         self._cond = threading.Condition()

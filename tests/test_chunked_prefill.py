@@ -232,3 +232,43 @@ def test_a_failing_chunk_fails_only_its_request(engine, monkeypatch):
     finally:
         sched.stop()
     engine.check_integrity()
+
+
+def test_a_request_arriving_mid_turn_waits_one_slice_not_the_chunk(engine, monkeypatch):
+    """Prefill fairness: with a 512-token chunk a turn, a long prompt's share runs as slices
+    (FIRST_SLICE tokens, then `prefill_slice_ms` sized; here the smallest, MIN_SLICE); a short
+    request submitted during one of its forwards is prefilled right after that forward: the long
+    prompt's forward in flight was one slice, not the whole chunk. Both answer as alone."""
+    from mmkv.request.scheduler import FIRST_SLICE, MIN_SLICE
+
+    long_msgs = [{"role": "user", "content": TEXT * 12 + "refund ?"}]
+    short_msgs = [{"role": "user", "content": "hi ?"}]
+    want = {name: engine.generate(m, max_new_tokens=3, reuse=False) for name, m in
+            (("long", long_msgs), ("short", short_msgs))}
+    events: list = []
+    _record(monkeypatch, engine, events)
+    sched = Scheduler(engine, max_batch=4, prefill_chunk=512, prefill_slice_ms=1e-9)
+    submitted: dict = {}
+    forward = engine.adapter.forward
+
+    def arrive_on_second_forward(input_ids, *args, **kwargs):
+        if len(events) == 1 and "short" not in submitted:  # the long prompt's second forward starts
+            submitted["at"] = len(events)
+            submitted["short"] = sched.submit(short_msgs, max_new_tokens=3, reuse=False)
+        return forward(input_ids, *args, **kwargs)
+    monkeypatch.setattr(engine.adapter, "forward", arrive_on_second_forward)
+    long_future = sched.submit(long_msgs, max_new_tokens=3, reuse=False)
+    sched.start()
+    try:
+        got = {"long": long_future.result(timeout=120), "short": None}
+        got["short"] = submitted["short"].result(timeout=120)
+    finally:
+        sched.stop()
+    assert got["long"].lm_tokens_computed > 512
+    prefills = [n for kind, n in events if kind == "prefill"]
+    assert prefills[:2] == [FIRST_SLICE, MIN_SLICE], prefills
+    assert prefills[2] == got["short"].lm_tokens_computed  # next forward: the short request's whole prefill
+    assert sum(prefills) == got["long"].lm_tokens_computed + got["short"].lm_tokens_computed
+    for name in want:
+        assert got[name].token_ids == want[name].token_ids
+        assert (got[name].first_logits - want[name].first_logits).abs().max().item() <= TOL

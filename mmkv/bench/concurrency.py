@@ -11,10 +11,13 @@ the interpreter.
 
 `--mode prefill` (chunked prefill): one stream decodes; once it has its first tokens a request
 with a long prompt (`--prompt-tokens`, text, no prefix-cache hit) arrives. For the server with
-prefills whole (`--prefill-chunk 0`) and chunked (`--prefill-chunk`), the table gives the decoding
+prefills whole (`--prefill-chunk 0`) and chunked (`--prefill-chunk`; each chunk twice: in slices of
+the default `--prefill-slice-ms`, and as one forward a turn), the table gives the decoding
 stream's largest gap between two tokens while the long prompt is prefilled (and its usual gap)
 and the long request's TTFT, with the ratio of chunked to whole; and a short request's TTFT
-alone and when it arrives just behind the long prompt (prefill fairness).
+alone, when it arrives just behind the long prompt, and when it arrives mid-prefill (once the
+stream has three more tokens: the long prompt's context has grown), against alone (prefill
+fairness).
 
 `--mix` (with `--mode clients`): real traffic instead of equal text requests. Each client sends
 `MIX_REQUESTS` requests back to back, each about a picture of `--image-tokens` image tokens (two
@@ -134,9 +137,9 @@ def _run_stall(url: str, bodies: list[dict]) -> dict:
     """In the client process: a short request alone; then the decoding stream, the long prompt
     once the stream has 8 tokens, and the short request again just after the long one. The
     stream's largest gap between tokens from the long request's arrival to its first token, the
-    stream's median gap before it, the long request's TTFT, and the short request's TTFT alone
-    and behind the long prompt."""
-    stream, long_, short_alone, short_behind = {}, {}, {}, {}
+    stream's median gap before it, the long request's TTFT, and the short request's TTFT alone,
+    behind the long prompt and mid-prefill."""
+    stream, long_, short_alone, short_behind, short_mid = {}, {}, {}, {}, {}
     _token_times(url, bodies[2], short_alone, threading.Event(), 1)
     going = threading.Event()
     first = threading.Thread(target=_token_times, args=(url, bodies[0], stream, going, 8))
@@ -147,7 +150,12 @@ def _run_stall(url: str, bodies: list[dict]) -> dict:
     time.sleep(0.05)  # the long prompt is admitted first
     third = threading.Thread(target=_token_times, args=(url, bodies[2], short_behind, threading.Event(), 1))
     third.start()
-    for t in (second, third, first):
+    seen = len(stream["times"])
+    while len(stream["times"]) < seen + 3 and not long_.get("times") and first.is_alive():
+        time.sleep(0.005)  # mid-prefill: three turns into the long prompt
+    fourth = threading.Thread(target=_token_times, args=(url, bodies[3], short_mid, threading.Event(), 1))
+    fourth.start()
+    for t in (second, third, fourth, first):
         t.join()
     arrived, ttft_at = long_["sent"], long_["times"][0]
     times = stream["times"]
@@ -156,7 +164,9 @@ def _run_stall(url: str, bodies: list[dict]) -> dict:
         [t for t in times if t > ttft_at][:1]  # the stream's tokens from the arrival to just after the TTFT
     return {"gap": max(b - a for a, b in zip(around, around[1:])), "usual": statistics.median(before),
             "ttft": ttft_at - arrived, "short_alone": short_alone["times"][0] - short_alone["sent"],
-            "short_behind": short_behind["times"][0] - short_behind["sent"]}
+            "short_behind": short_behind["times"][0] - short_behind["sent"],
+            "short_mid": short_mid["times"][0] - short_mid["sent"], "mid_early": bool(long_.get("times")) and
+            short_mid["sent"] >= long_["times"][0]}  # the long prompt was done before it arrived
 
 
 def _spawn(url: str, bodies: list, run: str = "_run_clients") -> subprocess.Popen:
@@ -302,8 +312,11 @@ def _mix_table(engine, image_tokens: int, rounds: int) -> list[str]:
 
 
 def _prefill_table(engine, prompt_tokens: int, chunks: list[int], rounds: int) -> list[str]:
-    arms = {"whole": 0, **{f"chunk {c}": c for c in chunks}}
-    servers = {arm: _server(engine, 8, c) for arm, c in arms.items()}
+    arms = {"whole": {"prefill_chunk": 0}}
+    for c in chunks:  # sliced (the server's default --prefill-slice-ms) and one forward a turn
+        arms[f"{c} sliced"] = {"prefill_chunk": c}
+        arms[f"{c} 1 fwd"] = {"prefill_chunk": c, "prefill_slice_ms": 0}
+    servers = {arm: _server(engine, 8, **kw) for arm, kw in arms.items()}
     cells: dict[str, list[dict]] = {}
     try:
         for arm in servers:  # warm-up
@@ -311,19 +324,22 @@ def _prefill_table(engine, prompt_tokens: int, chunks: list[int], rounds: int) -
         for r in range(rounds):
             for arm, (_, _, url) in servers.items():
                 bodies = [_body(engine, 64, r), _long_body(engine, prompt_tokens, f"long {r} {arm}"),
-                          _long_body(engine, 16, f"short {r} {arm}")]
+                          _long_body(engine, 16, f"short {r} {arm}"), _long_body(engine, 16, f"mid {r} {arm}")]
                 cells.setdefault(arm, []).append(_collect(_spawn(url, bodies, "_run_stall")))
     finally:
         _stop(servers)
-    lines = [f"{'prefill':>10} {'usual gap ms':>13} {'largest gap ms':>15} {'long TTFT ms':>13} {'TTFT vs whole':>14} "
-             f"{'short alone ms':>15} {'short behind ms':>16} {'behind/alone':>13}"]
+    lines = [f"{'prefill':>11} {'usual gap ms':>13} {'largest gap ms':>15} {'long TTFT ms':>13} {'TTFT vs whole':>14} "
+             f"{'short alone ms':>15} {'behind ms':>10} {'behind/alone':>13} {'mid ms':>7} {'mid/alone':>10}"]
     whole = statistics.median(c["ttft"] for c in cells["whole"])
     for arm in servers:
         med = {k: statistics.median(c[k] for c in cells[arm])
-               for k in ("usual", "gap", "ttft", "short_alone", "short_behind")}
-        lines.append(f"{arm:>10} {med['usual'] * 1e3:>13.0f} {med['gap'] * 1e3:>15.0f} {med['ttft'] * 1e3:>13.0f} "
+               for k in ("usual", "gap", "ttft", "short_alone", "short_behind", "short_mid")}
+        late = sum(c["mid_early"] for c in cells[arm])
+        lines.append(f"{arm:>11} {med['usual'] * 1e3:>13.0f} {med['gap'] * 1e3:>15.0f} {med['ttft'] * 1e3:>13.0f} "
                      f"{med['ttft'] / whole:>13.2f}x {med['short_alone'] * 1e3:>15.0f} "
-                     f"{med['short_behind'] * 1e3:>16.0f} {med['short_behind'] / med['short_alone']:>12.2f}x")
+                     f"{med['short_behind'] * 1e3:>10.0f} {med['short_behind'] / med['short_alone']:>12.2f}x "
+                     f"{med['short_mid'] * 1e3:>7.0f} {med['short_mid'] / med['short_alone']:>9.2f}x"
+                     + (f"  ({late} of {len(cells[arm])} mid requests came after the long TTFT)" if late else ""))
     return lines
 
 

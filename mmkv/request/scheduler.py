@@ -9,7 +9,11 @@ loop (nano-vllm's schedule -> run -> postprocess):
    tokens left first (one passed over for `AGING_TURNS` turns goes first, so none starves). A
    request whose last chunk ran samples its first token and joins the batch. So a long prompt
    delays the running requests' next token by one chunk's forward, not by its whole prefill, and
-   a short request that arrives behind it waits about one chunk, not the long one's prefill;
+   a short request that arrives behind it waits about one chunk, not the long one's prefill.
+   A request's share runs as forwards of about `prefill_slice_ms` each (sized from the rate of
+   its previous forward), and a request that arrives while the batch has room ends the turn's
+   prefill after the forward in flight: it is admitted next turn and, being short, prefilled
+   first, so it waits one slice, not one chunk;
 3. step: one batched forward runs the last token of every running request (`DecodeBatch`);
 4. postprocess: each request's `DecodeStream` takes its row of logits; finished requests leave
    the batch and their futures get their `GenerationResult`.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,24 +63,33 @@ class _Request:
     run: object = None  # mmkv.engine.Run once admitted
     token: int | None = None  # the next token to run
     passed_over: int = 0  # prefill turns in which it got no tokens (aging: see Scheduler._prefill)
+    rate: float | None = None  # prompt tokens per second of its last prefill forward (slice sizing)
 
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens prefilled per loop turn, between two decode steps
 AGING_TURNS = 4  # a prefilling request passed over this many turns goes first
+DEFAULT_PREFILL_SLICE_MS = 100.0  # about this long per prefill forward, then arrivals are looked at
+FIRST_SLICE = 64  # a request's first forward, before its rate is known
+MIN_SLICE = 16  # no forward is sized below this many tokens (the per-forward overhead)
 
 
 class Scheduler:
     """Owns the prefill and decode loop of every admitted request (module docstring). `submit`
     returns a future of the request's GenerationResult; its keyword arguments are `Engine.start`'s.
-    `prefill_chunk`: prompt tokens per prefill forward between decode steps (0: whole prefills)."""
+    `prefill_chunk`: prompt tokens prefilled per turn between decode steps (0: whole prefills);
+    `prefill_slice_ms`: a turn's share runs as forwards of about this long, and a request that
+    arrives between two of them ends the turn's prefill (0: each share is one forward)."""
 
     def __init__(self, engine, max_batch: int = 8, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, shadow=None,
-                 share_kv: bool = True):
+                 share_kv: bool = True, prefill_slice_ms: float = DEFAULT_PREFILL_SLICE_MS):
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         if prefill_chunk < 0:
             raise ValueError("prefill_chunk must be >= 0 (0: prefills are not chunked)")
+        if not prefill_slice_ms >= 0:
+            raise ValueError("prefill_slice_ms must be >= 0 (0: a turn's share is one forward)")
         self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
+        self.prefill_slice_ms = prefill_slice_ms
         self.shadow = shadow  # mmkv.request.shadow.ShadowMonitor or None: fidelity shadows in idle turns
         self.share_kv = share_kv  # rows keep the KV they hold bit-identical once (DecodeBatch)
         self.batch: DecodeBatch | None = None  # made on first use: building a scheduler touches no model
@@ -211,8 +225,9 @@ class Scheduler:
         prefilling requests, the one with the fewest tokens left first, so a short request behind
         a long prompt waits one chunk, not the whole prefill. A request passed over for
         `AGING_TURNS` turns goes first, so a stream of short requests cannot starve a long one.
-        Each request's piece is its own forward; one that finishes samples its first token and
-        joins the batch."""
+        Each request's piece runs as its own forwards, slices of about `prefill_slice_ms`; a request
+        that arrives meanwhile ends the turn's prefill after the slice in flight (`_forward`). One
+        whose forward finishes samples its first token and joins the batch."""
         budget = self.prefill_chunk or None
         order = sorted(self._prefilling, key=lambda r: (r.passed_over < AGING_TURNS, r.run.pending_tokens))
         for req in order:
@@ -223,7 +238,39 @@ class Scheduler:
             self._prefill_one(req, budget)
             req.passed_over = 0
             if budget is not None:
-                budget = max(0, budget - (before - req.run.pending_tokens))
+                budget = 0 if self._arrived() else max(0, budget - (before - req.run.pending_tokens))
+
+    def _arrived(self) -> bool:
+        """A request waits that the batch has room for: the turn's prefill ends at the next slice."""
+        return bool(self._waiting) and len(self._prefilling) + len(self._running) < self.max_batch
+
+    def _slice(self, req: _Request, budget: int) -> int:
+        """The tokens of `req`'s next forward: about `prefill_slice_ms` at the rate of its last one
+        (FIRST_SLICE before it has one), a multiple of MIN_SLICE, within `budget`."""
+        if not self.prefill_slice_ms:
+            return budget
+        if req.rate is None:
+            return min(budget, FIRST_SLICE)
+        tokens = int(req.rate * self.prefill_slice_ms / 1e3) // MIN_SLICE * MIN_SLICE
+        return min(budget, max(MIN_SLICE, tokens))
+
+    def _forward(self, req: _Request, budget: int | None) -> bool:
+        """Run up to `budget` tokens of `req`'s forward (None: all) as slices; stop early when a
+        request arrives. True once its forward is done."""
+        run = req.run
+        while True:
+            piece = None if budget is None else self._slice(req, budget)
+            before, t0 = run.pending_tokens, time.perf_counter()
+            with self.engine._lock:
+                done = run.prefill(piece)
+            ran, elapsed = before - run.pending_tokens, time.perf_counter() - t0
+            if ran > 0 and elapsed > 0:
+                req.rate = ran / elapsed
+            if done or budget is None or ran <= 0:
+                return done
+            budget -= ran
+            if budget <= 0 or self._arrived():
+                return False
 
     def _prefill_one(self, req: _Request, budget: int | None) -> None:
         """Run at most `budget` tokens of `req`'s forward; after its last, its first token and its
@@ -235,9 +282,7 @@ class Scheduler:
                 run.stream.cancel()
                 req.future.set_result(run.result())
                 return
-            with self.engine._lock:
-                done = run.prefill(budget)
-            if not done:
+            if not self._forward(req, budget):
                 return
             self._prefilling.remove(req)
             req.token = run.stream.step(run.first_logits)
