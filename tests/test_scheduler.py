@@ -238,3 +238,23 @@ def test_a_turn_prefills_in_slices_and_an_arrival_ends_it():
     assert other.run.given == [256]
     with pytest.raises(ValueError, match="prefill_slice_ms"):
         Scheduler(engine, prefill_slice_ms=-1)
+
+
+def test_idle_turn_builds_run_in_slices():
+    """A first-sight build in an idle turn ran `--prefill-chunk` tokens at once, so a request that
+    arrived waited a whole chunk's forward: it now runs one slice a turn, FIRST_SLICE tokens, then
+    sized from the last slice's rate (40 ms at 1 token per ms: 32 tokens, or 16 on a slow clock)."""
+    from mmkv.request.first_sight import BackgroundRun
+    from mmkv.request.scheduler import FIRST_SLICE
+
+    budgets = []
+
+    def run_background(budget):
+        budgets.append(budget)
+        time.sleep(budget / 1e3)
+        return BackgroundRun(built=0, tokens=budget, seconds=budget / 1e3, pending=1)
+    engine = type("E", (), {"_lock": threading.RLock(), "run_background": staticmethod(run_background)})()
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=512, prefill_slice_ms=40)
+    for _turn in range(3):
+        scheduler._build_in_background()
+    assert budgets[0] == FIRST_SLICE and set(budgets[1:]) <= {16, 32}, budgets

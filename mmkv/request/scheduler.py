@@ -90,6 +90,7 @@ class Scheduler:
             raise ValueError("prefill_slice_ms must be >= 0 (0: a turn's share is one forward)")
         self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
         self.prefill_slice_ms = prefill_slice_ms
+        self._background_rate: float | None = None  # LM tokens per second of the last idle-turn build slice
         self.shadow = shadow  # mmkv.request.shadow.ShadowMonitor or None: fidelity shadows in idle turns
         self.share_kv = share_kv  # rows keep the KV they hold bit-identical once (DecodeBatch)
         self.batch: DecodeBatch | None = None  # made on first use: building a scheduler touches no model
@@ -186,11 +187,21 @@ class Scheduler:
                 elif not (self._prefilling or self._waiting) and self.shadow is not None and self.shadow.pending:
                     self.shadow.step(self.engine._lock)  # idle: one chunk of a fidelity shadow
                 elif not (self._prefilling or self._waiting) and self._builds_pending():
-                    self.engine.run_background(self.prefill_chunk or None)  # idle, lowest: a first-sight build
+                    self._build_in_background()  # idle, lowest: a slice of a first-sight build
             except BaseException as exc:  # noqa: BLE001 - a fault outside any one request's stages
                 log.exception("scheduler turn failed; failing the requests in flight")
                 self._fail_in_flight(exc)
         self._shut_down()
+
+    def _build_in_background(self) -> None:
+        """One slice of the first-sight builds, sized like a prefill slice (from the rate of the last
+        one), so a request that arrives waits about `prefill_slice_ms`, not a chunk."""
+        budget = self.prefill_chunk or None
+        if budget is not None:
+            budget = self._slice(self._background_rate, budget)
+        done = self.engine.run_background(budget)
+        if done.tokens > 0 and done.seconds > 0:
+            self._background_rate = done.tokens / done.seconds
 
     def _builds_pending(self) -> bool:
         """First-sight chunk builds wait (mmkv.request.first_sight): idle turns run them, after the
@@ -244,14 +255,15 @@ class Scheduler:
         """A request waits that the batch has room for: the turn's prefill ends at the next slice."""
         return bool(self._waiting) and len(self._prefilling) + len(self._running) < self.max_batch
 
-    def _slice(self, req: _Request, budget: int) -> int:
-        """The tokens of `req`'s next forward: about `prefill_slice_ms` at the rate of its last one
-        (FIRST_SLICE before it has one), a multiple of MIN_SLICE, within `budget`."""
+    def _slice(self, rate: float | None, budget: int) -> int:
+        """The tokens of the next forward: about `prefill_slice_ms` at `rate`, the tokens per
+        second of the same work's last forward (FIRST_SLICE when there was none), a multiple of
+        MIN_SLICE, within `budget`."""
         if not self.prefill_slice_ms:
             return budget
-        if req.rate is None:
+        if rate is None:
             return min(budget, FIRST_SLICE)
-        tokens = int(req.rate * self.prefill_slice_ms / 1e3) // MIN_SLICE * MIN_SLICE
+        tokens = int(rate * self.prefill_slice_ms / 1e3) // MIN_SLICE * MIN_SLICE
         return min(budget, max(MIN_SLICE, tokens))
 
     def _forward(self, req: _Request, budget: int | None) -> bool:
@@ -259,7 +271,7 @@ class Scheduler:
         request arrives. True once its forward is done."""
         run = req.run
         while True:
-            piece = None if budget is None else self._slice(req, budget)
+            piece = None if budget is None else self._slice(req.rate, budget)
             before, t0 = run.pending_tokens, time.perf_counter()
             with self.engine._lock:
                 done = run.prefill(piece)
