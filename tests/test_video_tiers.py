@@ -126,16 +126,18 @@ def test_a_second_server_answers_about_the_first_servers_upload(tiny_dirs, tmp_p
 def test_a_delete_purges_every_tier_and_the_other_server_on_its_next_lookup(tiny_dirs, tmp_path, redis_server):
     """The record and every group's KV go from the disk and the shared tier; a server that adopted
     the video (and copied its groups to its own disk) finds the tombstone on its next lookup and
-    drops its copies too."""
+    drops its copies too, and one that was down during the delete drops them at its start."""
     url = redis_server.url()
     a = Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], store_dir=tmp_path / "a", redis_url=url)
     video_id = a.add_video(clip(), **small(a))
     keys = durable_keys(a, video_id)
     a.tiers.flush()
-    b = Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], store_dir=tmp_path / "b", redis_url=url)
-    assert b.generate(ask(video_id), max_new_tokens=1).vision_tower_runs == 0
-    b.tiers.flush()
-    assert all(disk_has(b, k) for k in keys) and b.tiers.registry.local("video")
+    b, c = (Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], store_dir=tmp_path / d, redis_url=url) for d in "bc")
+    for other in (b, c):
+        assert other.generate(ask(video_id), max_new_tokens=1).vision_tower_runs == 0
+        other.tiers.flush()
+        assert all(disk_has(other, k) for k in keys) and other.tiers.registry.local("video")
+    c.close()
 
     a.remove_video(video_id)
     a.tiers.flush()
@@ -155,6 +157,10 @@ def test_a_delete_purges_every_tier_and_the_other_server_on_its_next_lookup(tiny
     with pytest.raises(UnknownVideoError):
         restarted.video_info(video_id)
     restarted.close()
+    c = Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], store_dir=tmp_path / "c", redis_url=url)
+    assert ("", video_id) not in c.registry.videos.videos and c.registry.videos.store_bytes == 0
+    assert not any(disk_has(c, k) for k in keys) and c.tiers.registry.local("video") == []
+    c.close()
 
 
 def test_inline_video_groups_stay_on_their_server_and_an_upload_shares_them(tiny_dirs, tmp_path, redis_server):
