@@ -19,6 +19,7 @@ from mmkv import Engine
 from mmkv.errors import UnknownVideoError, VideoStoreFullError
 from mmkv.request.videos import VideoGroupRef
 from mmkv.server.app import ServerSettings, create_app
+from mmkv.store.shared_tier import SharedTierUnavailableError
 from mmkv.testing.clips import clip_frames, encode_clip
 from PIL import Image
 from test_server import LiveServer
@@ -73,7 +74,7 @@ def disk_has(engine, key: str) -> bool:
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_restart_keeps_the_upload_and_loads_its_groups_from_disk(tiny_dirs, tmp_path, family):
-    """Review finding (videos in tiers): uploads and their groups' KV lived in RAM only, so a
+    """Finding (videos in the tiers): uploads and their groups' KV lived in RAM only, so a
     restart forgot every video. Qwen3-VL's groups carry their timestamp text before the pads (the
     first pad's index travels in the entry)."""
     first = Engine.from_pretrained(tiny_dirs[family], store_dir=tmp_path)
@@ -161,6 +162,26 @@ def test_a_delete_purges_every_tier_and_the_other_server_on_its_next_lookup(tiny
     assert ("", video_id) not in c.registry.videos.videos and c.registry.videos.store_bytes == 0
     assert not any(disk_has(c, k) for k in keys) and c.tiers.registry.local("video") == []
     c.close()
+
+
+def test_a_delete_the_shared_tier_does_not_take_changes_nothing_here(tiny_dirs, tmp_path, redis_server):
+    """A delete goes to the shared tier first: while it does not answer the delete fails and this
+    server still holds, and serves, the video, its record and its groups' KV on disk; once it is
+    back the delete goes through."""
+    url = redis_server.url()
+    a = Engine.from_pretrained(tiny_dirs["qwen2_5_vl"], store_dir=tmp_path, redis_url=url)
+    video_id = a.add_video(clip(), **small(a))
+    keys = durable_keys(a, video_id)
+    a.tiers.flush()
+    redis_server.stop()
+    with pytest.raises(SharedTierUnavailableError):
+        a.remove_video(video_id)
+    assert a.generate(ask(video_id), max_new_tokens=1).vision_tower_runs == 0
+    assert all(disk_has(a, k) for k in keys) and a.tiers.registry.local("video")
+    redis_server.start()  # a delete tries the store even inside its degraded window
+    a.remove_video(video_id)
+    assert shared_kv(url) == [] and not any(disk_has(a, k) for k in keys) and a.tiers.registry.local("video") == []
+    a.close()
 
 
 def test_inline_video_groups_stay_on_their_server_and_an_upload_shares_them(tiny_dirs, tmp_path, redis_server):
