@@ -362,7 +362,7 @@ def decode_video(data, budget: PixelBudget, sampling: VideoSampling = VideoSampl
     _check_plan(nframes, size, budget, limits)
     indices = torch.linspace(first, last, nframes).round().long().tolist()
     frames = _decode_frames(raw, indices, size, deadline)
-    return _hashed(DecodedVideo(torch.stack(frames), tuple(i / head.fps for i in indices),
+    return with_hashes(DecodedVideo(torch.stack(frames), tuple(i / head.fps for i in indices),
                                 nframes / (last - first + 1) * head.fps, head.width, head.height, head.duration_s,
                                 len(raw)))
 
@@ -453,7 +453,7 @@ def _from_frames(frames: Sequence, budget: PixelBudget, sampling: VideoSampling,
     times += [times[-1]] * (nframes - len(times))
     span = times[len(images) - 1] - times[0]
     sample_fps = (len(images) - 1) / span if len(images) > 1 else FPS
-    return _hashed(DecodedVideo(torch.stack(resized), tuple(times), sample_fps, w, h, span, 0))
+    return with_hashes(DecodedVideo(torch.stack(resized), tuple(times), sample_fps, w, h, span, 0))
 
 
 def group_hash(frames: torch.Tensor, times: tuple[float, ...]) -> str:
@@ -462,7 +462,7 @@ def group_hash(frames: torch.Tensor, times: tuple[float, ...]) -> str:
     return xxhash.xxh3_128(f"{h}x{w}|{tuple(times)!r}|".encode() + frames.numpy().tobytes()).hexdigest()
 
 
-def _hashed(video: DecodedVideo) -> DecodedVideo:
+def with_hashes(video: DecodedVideo) -> DecodedVideo:
     """Group hashes over each temporal group's frames and times; the video's over those and the rate."""
     n = video.frames.shape[0]
     groups = [group_hash(video.frames[a:a + FRAME_FACTOR], video.timestamps[a:a + FRAME_FACTOR])

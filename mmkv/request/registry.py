@@ -1,6 +1,6 @@
-"""The image and skill registries and where a request's chunks come from: registration, lookup,
-purge, the records kept in the durable tiers, the inline images a request registers for itself,
-and each chunk's KV (the RAM store, then the disk and shared tiers, then a precompile: the vision
+"""The image, skill and video registries and where a request's chunks come from: registration,
+lookup, purge, the records kept in the durable tiers, the inline images a request registers for
+itself, and each chunk's KV (the RAM store, then the disk and shared tiers, then a precompile: the vision
 tower and an isolated LM prefill).
 
 Thread-safety: `prepare_image` reads only the model's settings and is lock-free; every other
@@ -30,6 +30,8 @@ from mmkv.errors import (
     PromptTooLongError,
     UnknownImageError,
     UnknownSkillError,
+    UnknownVideoError,
+    VideoStoreFullError,
 )
 from mmkv.store.fingerprint import content_digest, durable_key, image_source_digest
 from mmkv.images import PreparedImage, decode_image
@@ -172,22 +174,23 @@ class Registries:
 
     def _purge_image(self, image_id: str, reg: RegisteredImage, tenant: str, everywhere: bool) -> None:
         durable = self.durable_key("image", image_source_digest(reg.source), tenant)
-        self._forget_durable("image", image_id, durable, tenant, everywhere)
+        self._forget_durable("image", image_id, [durable], tenant, everywhere)
         self.cache.purge(self.image_key(reg, tenant))
         self._unregister((tenant, image_id))
 
-    def _forget_durable(self, kind: str, id_: str, durable: str, tenant: str, everywhere: bool) -> None:
-        """Drop an image's or skill's KV and record from the lower tiers before anything here: with
-        `everywhere` (a delete) from the shared tier first, so a shared tier that does not take it
-        raises SharedTierUnavailableError and this server still holds (and serves) what it had;
-        else (deleted on another server, which left the tombstone) from this server's tiers only."""
+    def _forget_durable(self, kind: str, id_: str, durables: list[str], tenant: str, everywhere: bool) -> None:
+        """Drop an image's, skill's or video's KV (under its durable keys: a video's groups) and
+        record from the lower tiers before anything here: with `everywhere` (a delete) from the
+        shared tier first, so a shared tier that does not take it raises
+        SharedTierUnavailableError and this server still holds (and serves) what it had; else
+        (deleted on another server, which left the tombstone) from this server's tiers only."""
         if self.tiers is None:
             return
+        for durable in durables:
+            (self.tiers.purge if everywhere else self.tiers.purge_local)(durable)
         if everywhere:
-            self.tiers.purge(durable)
             self.tiers.registry.remove(kind, tenant, id_)
         else:
-            self.tiers.purge_local(durable)
             self.tiers.registry.drop_local(kind, tenant, id_)
 
     def register(self, image: PreparedImage, tenant: str, uploaded: bool) -> tuple[str, RegisteredImage]:
@@ -211,10 +214,11 @@ class Registries:
         return self._lookup("image", image_id, tenant, param)
 
     def _lookup(self, kind: str, id_: str, tenant: str, param: str | None):
-        """A registered image or skill: held here, or adopted from the durable tiers; one deleted
-        on another server is purged here too and is unknown."""
-        held, purge, unknown = ((self.images, self._purge_image, UnknownImageError) if kind == "image"
-                                else (self.skills, self._purge_skill, UnknownSkillError))
+        """A registered image, skill or video: held here, or adopted from the durable tiers; one
+        deleted on another server is purged here too and is unknown."""
+        held, purge, unknown = {"image": (self.images, self._purge_image, UnknownImageError),
+                                "skill": (self.skills, self._purge_skill, UnknownSkillError),
+                                "video": (self.videos.videos, self.videos.purge, UnknownVideoError)}[kind]
         entry = held.get((tenant, id_)) or self._fetch(kind, id_, tenant, param)
         if entry is not None and self.tiers is not None and self.tiers.registry.gone(kind, tenant, id_):
             purge(id_, entry, tenant, everywhere=False)  # deleted on another server
@@ -223,13 +227,15 @@ class Registries:
             raise unknown(f"no {kind} with id {id_!r}", param=param)
         return entry
 
-    def _fetch(self, kind: str, id_: str, tenant: str, param: str | None = None) -> RegisteredImage | Skill | None:
-        """An upload or skill this engine does not hold but the durable tiers do (another server's);
-        ImageStoreFullError when the image store has no room for it."""
+    def _fetch(self, kind: str, id_: str, tenant: str, param: str | None = None):
+        """An upload or skill this engine does not hold but the durable tiers do (another server's,
+        or one left on disk at start for want of room); ImageStoreFullError / VideoStoreFullError
+        when its store has no room for it."""
         rec = self.tiers.registry.get(kind, tenant, id_) if self.tiers is not None else None
         if rec is None:
             return None
-        return self._adopt_image(rec, param) if kind == "image" else self._adopt_skill(rec)
+        adopt = {"image": self._adopt_image, "video": self.videos.adopt}.get(kind)
+        return adopt(rec, param) if adopt is not None else self._adopt_skill(rec)
 
     def image_key(self, reg: RegisteredImage, tenant: str) -> str:
         return chunk_cache_key("image", reg.content_hash, self.fingerprint, self.grid_settings,
@@ -338,7 +344,7 @@ class Registries:
 
     def _purge_skill(self, skill_id: str, skill: Skill, tenant: str, everywhere: bool) -> None:
         durable = self.durable_key("skill", content_digest(skill.token_ids.numpy().tobytes()), tenant)
-        self._forget_durable("skill", skill_id, durable, tenant, everywhere)
+        self._forget_durable("skill", skill_id, [durable], tenant, everywhere)
         self.cache.purge(self._skill_key(skill, tenant))
         del self.skills[(tenant, skill_id)]
 
@@ -371,22 +377,25 @@ class Registries:
 
     # ---- durable tiers: keys, records of uploads and skills (mmkv/store/tiers.py) ----------------------
     def durable_key(self, kind: str, digest: str, tenant: str) -> str:
-        grid = self.grid_settings if kind == "image" else ""
+        grid = {"image": self.grid_settings, "video": self.videos.grid_settings}.get(kind, "")
         return durable_key(kind, digest, self.fingerprint, grid, self.settings.anchor, tenant)
 
     def restore(self) -> None:
-        """Register the uploads and skills the disk tier holds; their KV loads on first use."""
+        """Register the uploads (images, videos) and skills the disk tier holds, inside their
+        stores' budgets; their KV loads on first use."""
         if self.tiers is None:
             return
         registry = self.tiers.registry
-        for rec in registry.local("image"):
-            try:
-                reg = self._adopt_image(rec)
-            except ImageStoreFullError:
-                log.warning("image store full: stored upload %s not restored (it stays on disk)", rec.id)
-                continue
-            if registry.gone("image", rec.tenant, rec.id):  # deleted on another server
-                self._purge_image(rec.id, reg, rec.tenant, everywhere=False)
+        for kind, adopt, purge, full in (("image", self._adopt_image, self._purge_image, ImageStoreFullError),
+                                         ("video", self.videos.adopt, self.videos.purge, VideoStoreFullError)):
+            for rec in registry.local(kind):
+                try:
+                    reg = adopt(rec)
+                except full:
+                    log.warning("%s store full: stored upload %s not restored (it stays on disk)", kind, rec.id)
+                    continue
+                if reg is not None and registry.gone(kind, rec.tenant, rec.id):  # deleted on another server
+                    purge(rec.id, reg, rec.tenant, everywhere=False)
         for rec in registry.local("skill"):
             skill = self._adopt_skill(rec)
             if registry.gone("skill", rec.tenant, rec.id):

@@ -8,12 +8,23 @@ prompt holds it, rotated per axis to the native positions there (mmkv.adapters.m
 Groups are keyed by their own content hash, so the same group in another request, another place
 or another video of the same frames runs the vision tower 0 times.
 
+Durable tiers (mmkv/store/tiers.py), as for images: a group's KV is written through to the disk
+tier under a SHA-256 durable key of its frames, times and the video grid settings, and to the
+shared tier when its video is an upload (an inline video's groups stay on this server). An
+upload's record (its sampled frames, zlib-compressed, and what places them) is kept in the
+durable registry, so a restarted server, or another on the same shared tier, serves the same
+video id and loads its groups' KV instead of running the vision tower. A delete purges the
+record and every group's KV from every tier. Live streams are RAM only: their groups never reach
+a tier (mmkv.request.streams).
+
 Thread-safety: `prepare` is lock-free (decoding, on the server's image threads); every other
 method runs under the engine's lock.
 """
 
 from __future__ import annotations
 
+import logging
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +39,10 @@ from mmkv.errors import (
 )
 from mmkv.kv.chunks import CachedChunk, chunk_cache_key
 from mmkv.request.streams import PreparedFrames, StreamInfo, StreamSettings, VideoStream, new_stream_id, reserve
-from mmkv.video import FRAME_FACTOR, DecodedVideo, PixelBudget, VideoLimits, VideoSampling, decode_video
+from mmkv.store.fingerprint import content_digest
+from mmkv.video import FRAME_FACTOR, DecodedVideo, PixelBudget, VideoLimits, VideoSampling, decode_video, with_hashes
+
+log = logging.getLogger("mmkv.engine")
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,7 @@ class RegisteredVideo:
 
     video: DecodedVideo
     uploaded: bool  # added by add_video (kept until removed); else inline, released when its request ends
+    stream: bool = False  # a live stream's window: its groups' KV stays in RAM, never in a tier
 
     @property
     def nbytes(self) -> int:
@@ -151,25 +166,28 @@ class VideoRegistry:
         return video_id, reg
 
     def add(self, video: DecodedVideo, tenant: str) -> str:
-        """Register an upload and precompile every group (those cached already are reused)."""
+        """Register an upload, precompile every group (those cached already are reused, and written
+        through to the shared tier now if an inline use computed them) and record it durably."""
+        earlier = self.videos.get((tenant, video_id_for(video.content_hash)))
+        was_upload = earlier is not None and earlier.uploaded
         video_id, reg = self.register(video, tenant, uploaded=True)
         try:
             for g in range(video.num_groups):
-                self.group_chunk(VideoGroupRef(reg, g), tenant)
+                self.group_chunk(VideoGroupRef(reg, g), tenant, publish=True)
+            self._persist(video_id, reg, tenant)
         except BaseException:
-            self.remove(video_id, tenant)
+            if not was_upload:  # undo this registration, never an earlier upload
+                self.purge(video_id, reg, tenant, everywhere=False)
             raise
         return video_id
 
     def lookup(self, video_id: str, tenant: str, param: str | None = None) -> RegisteredVideo:
-        """An uploaded or inline video, or a live stream's window now (refused before its first
+        """An uploaded or inline video (an upload another server or an earlier run recorded is
+        adopted from the durable tiers), or a live stream's window now (refused before its first
         group completes)."""
         if (tenant, video_id) in self.streams:
             return self._stream_window(self.streams[(tenant, video_id)], param)
-        reg = self.videos.get((tenant, video_id))
-        if reg is None:
-            raise UnknownVideoError(f"no video with id {video_id!r}", param=param)
-        return reg
+        return self.registries._lookup("video", video_id, tenant, param)
 
     def info(self, video_id: str, tenant: str) -> VideoInfo:
         v = self.lookup(video_id, tenant).video
@@ -180,21 +198,36 @@ class VideoRegistry:
 
     def remove(self, video_id: str, tenant: str) -> None:
         """Forget the video (or stream) and purge every group's KV (and the prefix blocks holding
-        it) unless another video or stream this tenant holds has the same group."""
+        it), in every tier, unless another video or stream this tenant holds has the same group."""
         if (stream := self.streams.pop((tenant, video_id), None)) is not None:
             self.store_bytes -= stream.reserved
             self._purge_groups(stream.hashes, tenant)
             return
-        reg = self.lookup(video_id, tenant)
+        self.purge(video_id, self.lookup(video_id, tenant), tenant, everywhere=True)
+
+    def purge(self, video_id: str, reg: RegisteredVideo, tenant: str, everywhere: bool) -> None:
+        """Forget a video: its record and its groups' KV in the lower tiers first (`everywhere`: a
+        delete, the shared tier included, which may refuse and leave everything here; else this
+        server's only: deleted on another server), then here."""
+        video = reg.video
+        unheld = self._unheld(video.group_hashes, tenant, besides=(tenant, video_id))
+        durables = [self.group_durable_key(video, g, tenant) for g, h in enumerate(video.group_hashes) if h in unheld]
+        self.registries._forget_durable("video", video_id, list(dict.fromkeys(durables)), tenant, everywhere)
         del self.videos[(tenant, video_id)]
         self.store_bytes -= reg.nbytes if reg.uploaded else 0
-        self._purge_groups(reg.video.group_hashes, tenant)
+        for h in unheld:
+            self.cache.purge(self._key(h, tenant))
 
     def _purge_groups(self, hashes, tenant: str) -> None:
-        held = {h for (t, _), r in self.videos.items() if t == tenant for h in r.video.group_hashes}
-        held |= {h for (t, _), s in self.streams.items() if t == tenant for h in s.hashes}
-        for h in set(hashes) - held:
+        for h in self._unheld(hashes, tenant):
             self.cache.purge(self._key(h, tenant))
+
+    def _unheld(self, hashes, tenant: str, besides: tuple[str, str] | None = None) -> set[str]:
+        """Those of `hashes` no video (but `besides`) or stream of this tenant holds."""
+        held = {h for key, r in self.videos.items() if key[0] == tenant and key != besides
+                for h in r.video.group_hashes}
+        held |= {h for (t, _), s in self.streams.items() if t == tenant for h in s.hashes}
+        return set(hashes) - held
 
     # ---- live streams (mmkv.request.streams) -------------------------------------------------------------
     def create_stream(self, tenant: str, settings: StreamSettings) -> str:
@@ -229,7 +262,7 @@ class VideoRegistry:
             raise InvalidVideoError(f"the video stream {stream.video_id!r} holds no complete temporal group yet "
                                     f"(two frames on its clock)", param=param)
         if stream.registered is None or stream.registered.video is not video:
-            stream.registered = RegisteredVideo(video, uploaded=True)
+            stream.registered = RegisteredVideo(video, uploaded=True, stream=True)
         return stream.registered
 
     def release(self, key: tuple[str, str]) -> None:
@@ -245,11 +278,58 @@ class VideoRegistry:
     def _key(self, group_hash: str, tenant: str) -> str:
         return chunk_cache_key("video", group_hash, self.fingerprint, self.grid_settings, self.anchor, tenant)
 
-    def group_chunk(self, ref: VideoGroupRef, tenant: str) -> CachedChunk:
-        """Group `ref.index`'s cached KV; on a miss the vision tower runs on its two frames and the
-        LM prefills its chunk in isolation."""
-        key = self.group_key(ref.video.video, ref.index, tenant)
-        return self.registries._cached_chunk(key, "video", lambda: self.precompile(ref, key))
+    def group_chunk(self, ref: VideoGroupRef, tenant: str, publish: bool = False) -> CachedChunk:
+        """Group `ref.index`'s cached KV: RAM, else the disk and shared tiers (not for a stream's
+        group), else the vision tower on its two frames and the LM prefill of its chunk in
+        isolation, written through to the disk and, for an upload, the shared tier."""
+        reg, key = ref.video, self.group_key(ref.video.video, ref.index, tenant)
+        durable = None if reg.stream else (lambda: self.group_durable_key(reg.video, ref.index, tenant))
+        return self.registries._cached_chunk(key, "video", lambda: self.precompile(ref, key), durable=durable,
+                                             shared=reg.uploaded, publish=publish)
+
+    def group_durable_key(self, video: DecodedVideo, g: int, tenant: str) -> str:
+        """The group's key in the disk and shared tiers: SHA-256 of its frames' size, times and pixels
+        (its xxh3 hash keys only RAM), with the video grid settings (Registries.durable_key)."""
+        frames = video.frames[FRAME_FACTOR * g:FRAME_FACTOR * (g + 1)].contiguous()
+        times = video.timestamps[FRAME_FACTOR * g:FRAME_FACTOR * (g + 1)]
+        head = f"{tuple(frames.shape)}|{tuple(times)!r}|".encode()
+        return self.registries.durable_key("video", content_digest(head + frames.numpy().tobytes()), tenant)
+
+    # ---- durable records (mmkv/store/durable_registry.py) ----------------------------------------------
+    def _persist(self, video_id: str, reg: RegisteredVideo, tenant: str) -> None:
+        """The upload's record: its sampled frames (what its hashes and positions come from),
+        compressed without loss, and the fields that place them."""
+        tiers = self.registries.tiers
+        if tiers is None:
+            return
+        v = reg.video
+        meta = {"shape": list(v.frames.shape), "timestamps": list(v.timestamps), "sample_fps": v.sample_fps,
+                "width": v.width, "height": v.height, "duration_s": v.duration_s, "source_bytes": v.source_bytes}
+        tiers.registry.put("video", tenant, video_id, meta, zlib.compress(v.frames.contiguous().numpy().tobytes(), 1))
+
+    def adopt(self, rec, param: str | None = None) -> RegisteredVideo | None:
+        """A recorded upload registered again, counted in the video store at its frames' bytes;
+        VideoStoreFullError when the store has no room (the upload exists: not an unknown video);
+        None (a warning) for a record whose frames no longer hash to its id."""
+        m = rec.meta
+        need = torch.Size(m["shape"]).numel()
+        if self.store_bytes + need > self.store_budget:
+            raise VideoStoreFullError(f"the video store holds {self.store_bytes} of {self.store_budget} bytes; the "
+                                      f"stored upload {rec.id} needs {need} more: delete videos first", param=param)
+        inflate = zlib.decompressobj()
+        raw = inflate.decompress(rec.blob, need)
+        if len(raw) != need or not inflate.eof:
+            log.warning("stored video %s does not hold the frames its record names; not restored", rec.id)
+            return None
+        frames = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(m["shape"])
+        video = with_hashes(DecodedVideo(frames, tuple(m["timestamps"]), m["sample_fps"], m["width"], m["height"],
+                                         m["duration_s"], m["source_bytes"]))
+        if video_id_for(video.content_hash) != rec.id:
+            log.warning("stored video %s hashes to another id; not restored", rec.id)
+            return None
+        reg = self.videos[(rec.tenant, rec.id)] = RegisteredVideo(video, uploaded=True)
+        self.store_bytes += reg.nbytes
+        return reg
 
     def encode(self, ref: VideoGroupRef) -> ImageFeatures:
         """The vision tower on one group (its attention never crosses groups, so this equals the

@@ -1,8 +1,10 @@
 """A cached chunk as bytes, for the disk and shared tiers: safetensors whose header carries the
 full durable key, the model fingerprint, the tensors' dtype and a SHA-256 checksum of every
 tensor and every other header field the planner reads (kind, layer count, image grid, deepstack
-count). `decode_chunk` trusts nothing: a truncated, corrupted, swapped (another key) or foreign
-(another model or dtype) entry raises CorruptEntryError, and the caller drops it and recomputes.
+count, the first pad's index: a Qwen3-VL video group's pads follow its timestamp text; 1 when an
+entry does not say). `decode_chunk` trusts nothing: a truncated, corrupted, swapped (another key)
+or foreign (another model or dtype) entry raises CorruptEntryError, and the caller drops it and
+recomputes.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def encode_chunk(chunk: CachedChunk, key: str, fingerprint: str) -> bytes:
     meta = {"format": FORMAT, "key": key, "fingerprint": fingerprint, "kind": chunk.kind,
             "layers": str(len(chunk.keys)), "deepstack": str(len(chunk.features.deepstack) if chunk.features else 0),
             "grid_thw": json.dumps(list(chunk.grid_thw) if chunk.grid_thw else None),
-            "dtype": str(chunk.keys[0].dtype)}
+            "dtype": str(chunk.keys[0].dtype), "pad_offset": str(chunk.pad_offset)}
     meta["checksum"] = _checksum(meta, tensors)
     return st_save(tensors, metadata=meta)
 
@@ -99,6 +101,6 @@ def decode_chunk(data: bytes, key: str, fingerprint: str, ram_key: str, kind: st
         grid = json.loads(meta["grid_thw"])
         return CachedChunk(ram_key, kind, t["token_ids"], t["position_ids"],
                            tuple(t[f"k.{i}"] for i in range(layers)), tuple(t[f"v.{i}"] for i in range(layers)),
-                           features, tuple(grid) if grid else None)
+                           features, tuple(grid) if grid else None, int(meta.get("pad_offset", "1")))
     except (KeyError, ValueError, AssertionError) as exc:
         raise CorruptEntryError(f"malformed entry: {exc!r}") from None

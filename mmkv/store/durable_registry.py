@@ -1,11 +1,13 @@
-"""Records that outlive the process: uploaded images (the engine's `image` record and the server's
-`file` record) and skills, per tenant, with their content-addressed blobs, on disk and / or in
-the shared tier (Redis or Mooncake Store: mmkv/store/shared_tier.py has its key layout).
+"""Records that outlive the process: uploaded images and videos (the engine's `image` and `video`
+records, the server's `file` record) and skills, per tenant, with their content-addressed blobs,
+on disk and / or in the shared tier (Redis or Mooncake Store: mmkv/store/shared_tier.py has its
+key layout).
 
 Disk layout under the store root: `records/<kind>/<sha256(tenant)[:32]>/<id>.json` (the record
-with a SHA-256 of itself) and `blobs/<sha256[:2]>/<sha256>` (an upload's original bytes, kept
-while any record names it). A blob is written before the record that names it, and a record is
-removed before its blob, so a crash leaves at worst an unnamed blob, removed at the next start.
+with a SHA-256 of itself) and `blobs/<sha256[:2]>/<sha256>` (an upload's original bytes, or a
+video's sampled frames, kept while any record names it). A blob is written before the record
+that names it, and a record is removed before its blob, so a crash leaves at worst an unnamed
+blob, removed at the next start.
 A record or blob that fails its checksum is removed and counted, never used.
 
 Thread-safe: one lock around every operation.
@@ -26,8 +28,8 @@ from mmkv.store.fingerprint import content_digest
 from mmkv.store.shared_tier import SharedTier
 
 log = logging.getLogger("mmkv.store.durable_registry")
-KINDS = ("image", "file", "skill")
-ID_PATTERN = re.compile(r"[a-z]+-[0-9a-f]{32}")  # engine ids: img-<hash>, skill-<hash>
+KINDS = ("image", "video", "file", "skill")
+ID_PATTERN = re.compile(r"[a-z]+-[0-9a-f]{32}")  # engine ids: img-<hash>, vid-<hash>, skill-<hash>
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@ for the engine.
 
 `load` is asked only after a RAM miss: the disk tier first, then the shared tier (a shared hit is
 also written to disk). `store` queues a freshly precompiled chunk for the background writer
-(mmkv/store/tier_writer.py), which writes it through to the disk and, for an uploaded image or a
-skill (never an inline image: the shared store holds what was registered, not every picture a
-request carried), to the shared tier, off the request path (a shared hit's copy to disk goes the
+(mmkv/store/tier_writer.py), which writes it through to the disk and, for an uploaded image, an
+uploaded video's group or a skill (never an inline image or video: the shared store holds what
+was registered, not every picture a request carried), to the shared tier, off the request path (a shared hit's copy to disk goes the
 same way); `flush` waits for them. A queued chunk is counted at its KV plus its encoded copy and
 held in host memory (device KV is copied when the write is accepted), so the queue never keeps
 device memory the RAM store has let go. `purge` removes a chunk from every tier (a queued write of
