@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import base64
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from typer.testing import CliRunner
 
+import mmkv.server.app as server_app
+import mmkv.server.serve as server_serve
 from mmkv import Engine
+from mmkv.cli import app as cli
 from mmkv.errors import VideoTooLargeError
 from mmkv.server.app import ServerSettings, create_app
 from mmkv.testing.clips import encode_clip
@@ -78,6 +83,27 @@ def test_python_api_accepts_exactly_the_limit_and_counts_a_repeat_twice(engine):
     assert _state(engine) == before
 
 
+def test_a_streams_window_counts_as_it_is_now(engine, clip_tokens):
+    """A live stream's window counts its tokens at the time of the request: within the limit it is
+    answered; grown past it, the same question is refused naming the stream's part."""
+    side = 448
+    stream = engine.create_stream(fps=2.0, window_groups=64)
+    frame = np.random.default_rng(0).integers(0, 255, (side, side, 3), dtype=np.uint8)
+    engine.append_frames(stream, [(frame, 0.0), (frame, 0.5)])
+    per_group = engine.video_info(stream).video_tokens
+    assert per_group <= 2 * clip_tokens
+    engine.generate(_ask([_file(stream)]), max_new_tokens=1)
+    groups = 2 * clip_tokens // per_group + 1
+    engine.append_frames(stream, [(frame, 0.5 * k) for k in range(2, 2 * groups)])
+    assert engine.video_info(stream).video_tokens > 2 * clip_tokens
+    before = _state(engine)
+    with pytest.raises(VideoTooLargeError) as err:
+        engine.generate(_ask([_file(stream)]), max_new_tokens=1)
+    assert err.value.param == "messages[0].content[1]"
+    assert _state(engine) == before
+    engine.remove_video(stream)
+
+
 def _chat(client, parts):
     return client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "temperature": 0,
                                                       "messages": _ask(parts)})
@@ -120,3 +146,20 @@ def test_http_video_tokens_past_the_total_are_a_400_naming_the_part(engine):
         assert "max_video_tokens_per_request" in error["message"]
         assert _state(engine) == before
         assert _chat(client, [uploaded, inline[0]]).status_code == 200
+
+
+def test_mmkv_serve_flags_reach_the_settings(monkeypatch):
+    """--max-videos-per-request reaches the server's settings, --max-video-tokens-per-request the
+    engine's; a negative value is refused before the server starts."""
+    captured, real_create_app = [], server_app.create_app
+    monkeypatch.setattr(server_app, "create_app",
+                        lambda engine, settings: captured.append((engine, settings)) or real_create_app(engine, settings))
+    monkeypatch.setattr(server_serve, "serve", lambda *args, **kwargs: None)
+    result = CliRunner().invoke(cli, ["serve", "--store-dir", "none", "--max-videos-per-request", "3",
+                                      "--max-video-tokens-per-request", "999"])
+    assert result.exit_code == 0, result.output
+    engine, settings = captured[0]
+    assert (settings.max_videos_per_request, engine.settings.max_video_tokens_per_request) == (3, 999)
+    for flag in ("--max-videos-per-request", "--max-video-tokens-per-request"):
+        refused = CliRunner().invoke(cli, ["serve", "--store-dir", "none", flag, "-1"])
+        assert refused.exit_code == 2 and "_per_request must be >= 0" in refused.output, refused.output
