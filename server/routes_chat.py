@@ -337,9 +337,11 @@ def _check_video_count(body: ChatCompletionRequest, most: int) -> None:
     count = 0
     for i, message in enumerate(body.messages):
         for j, raw in enumerate(message.content if isinstance(message.content, list) else ()):
-            count += isinstance(raw, dict) and raw.get("type") in VIDEO_PART_TYPES
-            if count > most:
-                raise InvalidRequestError(f"at most {most} videos per request", param=f"messages[{i}].content[{j}]")
+            if isinstance(raw, dict) and raw.get("type") in VIDEO_PART_TYPES:
+                count += 1
+                if count > most:
+                    raise InvalidRequestError(f"at most {most} videos per request",
+                                              param=f"messages[{i}].content[{j}]")
 
 
 async def _engine_image_part(ctx: ServerContext, part: ImageURLPart | ImageFilePart, param: str, tenant: str,

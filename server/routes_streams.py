@@ -1,7 +1,8 @@
 """/v1/video_streams: live video streams. Create one, append frames (images with their times, up
-to MAX_FRAMES_PER_POST a request) or an encoded segment as they arrive, ask about it in chat with a `video_file` part naming its id,
-read its state, delete it. Frames decode on the image threads; the append itself runs on the
-engine worker (mmkv.request.streams has the sampling clock and the window)."""
+to MAX_FRAMES_PER_POST a request) or an encoded segment as they arrive, ask about it in chat with a
+`video_file` part naming its id, read its state, delete it. Frames decode on the image threads;
+the append itself runs on the engine worker (mmkv.request.streams has the sampling clock and the
+window)."""
 
 from __future__ import annotations
 

@@ -153,7 +153,8 @@ def test_mmkv_serve_flags_reach_the_settings(monkeypatch):
     engine's; a negative value is refused before the server starts."""
     captured, real_create_app = [], server_app.create_app
     monkeypatch.setattr(server_app, "create_app",
-                        lambda engine, settings: captured.append((engine, settings)) or real_create_app(engine, settings))
+                        lambda engine, settings: captured.append((engine, settings))
+                        or real_create_app(engine, settings))
     monkeypatch.setattr(server_serve, "serve", lambda *args, **kwargs: None)
     result = CliRunner().invoke(cli, ["serve", "--store-dir", "none", "--max-videos-per-request", "3",
                                       "--max-video-tokens-per-request", "999"])
