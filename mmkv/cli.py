@@ -88,6 +88,11 @@ def serve(
     min_pixels: Annotated[int | None, typer.Option(envvar="MMKV_MIN_PIXELS",
                                                    help="Smaller images are upscaled to this.")] = None,
     max_images_per_request: Annotated[int, typer.Option(envvar="MMKV_MAX_IMAGES_PER_REQUEST")] = 16,
+    max_videos_per_request: Annotated[int, typer.Option(envvar="MMKV_MAX_VIDEOS_PER_REQUEST", help=(
+        "Video parts a chat request may hold (inline or by id); more is a 400 before any is decoded."))] = 8,
+    max_video_tokens_per_request: Annotated[int, typer.Option(envvar="MMKV_MAX_VIDEO_TOKENS_PER_REQUEST", help=(
+        "Video tokens a chat request's videos may hold together; more is a 400 naming the part that crosses "
+        "it, before any video is computed."))] = 32768,
     max_queue: Annotated[int, typer.Option(envvar="MMKV_MAX_QUEUE",
                                            help="Requests waiting for the engine before 429.")] = 64,
     max_batch: Annotated[int, typer.Option(envvar="MMKV_MAX_BATCH", min=1,
@@ -210,6 +215,7 @@ def serve(
             api_keys=tuple(api_key or ()), max_queue=max_queue, max_batch=max_batch, max_body_bytes=int(max_body_mb * (1 << 20)),
             prefill_chunk=prefill_chunk, prefill_slice_ms=prefill_slice_ms,
             file_store_bytes=int(file_store_gb * (1 << 30)), max_images_per_request=max_images_per_request,
+            max_videos_per_request=max_videos_per_request,
             key_file_bytes=int(key_file_quota_mb * (1 << 20)), key_files=key_file_quota_count,
             skill_store_bytes=int(skill_store_gb * (1 << 30)), key_skill_bytes=int(key_skill_quota_mb * (1 << 20)),
             key_skills=key_skill_quota_count,
@@ -228,7 +234,8 @@ def serve(
                                         store_options={"mooncake_segment_bytes": mooncake_segment_mb << 20,
                                                        "mooncake_buffer_bytes": mooncake_buffer_mb << 20},
                                         first_sight_in_context=first_sight_in_context,
-                                        background_bytes=int(background_mb * (1 << 20)))
+                                        background_bytes=int(background_mb * (1 << 20)),
+                                        max_video_tokens_per_request=max_video_tokens_per_request)
         limits = ConnectionLimits(max_connections=max_connections, header_timeout_s=header_timeout_s,
                                   keep_alive_s=keep_alive_s, max_header_bytes=max_header_kb << 10,
                                   grace_s=shutdown_grace_s)

@@ -26,7 +26,7 @@ from mmkv.store.fingerprint import model_fingerprint
 from mmkv.errors import InvalidRequestError, InvalidVideoError, ModelLoadError, PromptTooLongError
 from mmkv.hub import resolve_model
 from mmkv.images import DEFAULT_MAX_IMAGE_PIXELS, PreparedImage
-from mmkv.video import DecodedVideo, VideoLimits, VideoSampling
+from mmkv.video import DecodedVideo, RequestVideoTokens, VideoLimits, VideoSampling
 from mmkv.store.kv_store import KVStore
 from mmkv.request.messages import parse_messages
 from mmkv.store.prefix_cache import PrefixCache
@@ -42,7 +42,7 @@ from mmkv.request.blend import BlendReport, parse_blend
 from mmkv.request.plan import PROCESSOR_ONLY, Planner, SplicePlan, check_policy, check_seam_tokens
 from mmkv.request.registry import ImageInfo, Registries, Skill, SkillInfo, check_skill
 from mmkv.request.streams import PreparedFrames, StreamInfo, StreamSettings
-from mmkv.request.videos import VideoInfo
+from mmkv.request.videos import RegisteredVideo, VideoInfo
 from mmkv.request.registry import image_id_for  # noqa: F401  re-exported: mmkv.bench.run imports it from here
 from mmkv.request.splice import PrefillResult, prefill_full
 from mmkv.store.tiers import StoreConfig, Tiers, digest_cache_path
@@ -66,6 +66,9 @@ class EngineSettings:
     selective_layer: int = 1  # layer whose KV change ranks tokens for selective@K
     video_limits: VideoLimits = VideoLimits()  # per video: bytes, frame size, duration, frames, tokens, decode time
     video_store_bytes: int = 1 << 30  # sampled frames kept for uploaded videos
+    # Every video one request references, together (video_limits bounds each alone); checked once
+    # they are known, before any group's vision tower or LM prefill runs.
+    max_video_tokens_per_request: int = 32768
     blend: float | dict = 0.0  # the fidelity dial's default: a ratio, or {chunk kind: ratio} (mmkv.request.blend)
     blend_select: str = "deviation"  # how it chooses the tokens: deviation (the probe) or stride
     blend_layer: int = 1  # the probe's layer: layers 0..blend_layer run, K/V compared at blend_layer
@@ -87,6 +90,8 @@ class EngineSettings:
             raise InvalidRequestError("image_store_bytes must be >= 0", param="image_store_bytes")
         if self.background_bytes < 0:
             raise InvalidRequestError("background_bytes must be >= 0", param="background_bytes")
+        if self.max_video_tokens_per_request < 0:
+            raise InvalidRequestError("max_video_tokens_per_request must be >= 0", param="max_video_tokens_per_request")
 
 
 @dataclass
@@ -458,7 +463,7 @@ class Engine:
         template, refs = parse_messages(messages)
         prepared = self.registry.prepare_inline(refs)
         with self._lock, self.registry.inline_images() as held:
-            return self.planner.prompt(template, self.registry.resolve(refs, tenant, prepared, held), tool_spec)[0]
+            return self.planner.prompt(template, self._resolve(refs, tenant, prepared, held), tool_spec)[0]
 
     def splice_plan(self, messages, rope_policy: str | None = None, tenant: str = "") -> SplicePlan:
         """Tokens, positions and chunk placements the reuse path would prefill for `messages`
@@ -467,7 +472,7 @@ class Engine:
         policy = check_policy(rope_policy or self.settings.rope_policy)
         prepared = self.registry.prepare_inline(refs)
         with self._lock, self.registry.inline_images() as held:
-            ids, spans = self.planner.prompt(template, self.registry.resolve(refs, tenant, prepared, held))
+            ids, spans = self.planner.prompt(template, self._resolve(refs, tenant, prepared, held))
             native = self.planner.native_positions(ids, [r for _, r in spans])
             return self.planner.plan(ids, [(s, self.registry.chunk_for(r, tenant)) for s, r in spans], policy, native)
 
@@ -550,7 +555,7 @@ class Engine:
         with self._lock, self.registry.inline_images() as held:
             before = (self.registry.vision_tower_runs, self.registry.precompiled_tokens)
             self.registry.fresh.clear()  # reused counts only KV that existed before this request
-            resolved = self.registry.resolve(refs, spec.tenant, prepared, held)
+            resolved = self._resolve(refs, spec.tenant, prepared, held)
             input_ids, spans = self._prompt(spec, template, resolved)
             placed, client = self._place(spec, input_ids, spans, resolved)
             report = self._account(spec, placed, before)
@@ -558,6 +563,17 @@ class Engine:
             return Run(stream, placed.prefill, report, calls, spec.tools, spec.on_text,
                        self._run_under_lock(self._after_first_token(placed)), self._reference(spec, placed.plan),
                        self._exact(client), self._replay(spec, placed, client))
+
+    def _resolve(self, refs: list, tenant: str, prepared: dict, held: list) -> list:
+        """Every reference resolved (inline ones registered for the request, into `held`), then its
+        videos together checked against `max_video_tokens_per_request`: a refusal comes before any
+        group's vision tower or LM prefill runs, and `held` releases what was registered."""
+        resolved = self.registry.resolve(refs, tenant, prepared, held)
+        total = RequestVideoTokens(self.settings.max_video_tokens_per_request, self.registry.videos.budget.factor)
+        for ref, item in zip(refs, resolved):
+            if isinstance(item, RegisteredVideo):
+                total.add(item.video, ref.param)
+        return resolved
 
     def _after_first_token(self, placed: Placed) -> Callable[[], None] | None:
         """What the request leaves once its first token is out: its prefix blocks, and the

@@ -61,6 +61,25 @@ class VideoLimits:
     timeout_s: float = 60.0  # wall time of one decode
 
 
+@dataclass
+class RequestVideoTokens:
+    """The video tokens one request's videos hold together, in the order the request references
+    them (a video referenced twice counts twice: the prompt holds it twice); the part that takes
+    the total past `limit` is refused, naming it."""
+
+    limit: int
+    factor: int  # patch x merge: one token per factor x factor pixels of a temporal group
+    used: int = 0
+
+    def add(self, video: DecodedVideo, param: str) -> None:
+        _, _, h, w = video.frames.shape
+        self.used += video_tokens(video.frames.shape[0], (h, w), self.factor)
+        if self.used > self.limit:
+            raise VideoTooLargeError(f"{param}: the request's videos reach {self.used} video tokens here, over the "
+                                     f"limit of {self.limit} a request (max_video_tokens_per_request); send fewer "
+                                     f"or shorter videos, or lower fps, nframes or max_pixels", param=param)
+
+
 @dataclass(frozen=True)
 class PixelBudget:
     """A checkpoint's per-frame bounds: `factor` = patch x merge, pixels per frame and in all."""

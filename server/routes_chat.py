@@ -49,7 +49,7 @@ from .schemas import (
     VideoURLPart,
     parse_content_part,
 )
-from .video_prep import engine_video_part
+from .video_prep import VIDEO_PART_TYPES, engine_video_part
 from .worker import Job, WorkerStoppedError
 
 log = logging.getLogger("mmkv.server")
@@ -303,6 +303,7 @@ async def engine_messages(ctx: ServerContext, body: ChatCompletionRequest, tenan
     """The request's messages in the engine's shape, every part checked: image_file ids must be
     the tenant's files (404); image URLs must be data: URLs or allowed (fetched here, 400); inline
     images are decoded on the image threads, each distinct URL once."""
+    _check_video_count(body, ctx.settings.max_videos_per_request)
     out, images, inline = [], 0, {}
     for i, message in enumerate(body.messages):
         role = "system" if message.role == "developer" else message.role
@@ -329,6 +330,18 @@ async def engine_messages(ctx: ServerContext, body: ChatCompletionRequest, tenan
             parts.append(await _engine_image_part(ctx, part, param, tenant, inline))
         out.append({"role": role, "content": parts} | _tool_fields(message))
     return out
+
+
+def _check_video_count(body: ChatCompletionRequest, most: int) -> None:
+    """At most `most` video parts, counted before any is decoded: the part past it is a 400."""
+    count = 0
+    for i, message in enumerate(body.messages):
+        for j, raw in enumerate(message.content if isinstance(message.content, list) else ()):
+            if isinstance(raw, dict) and raw.get("type") in VIDEO_PART_TYPES:
+                count += 1
+                if count > most:
+                    raise InvalidRequestError(f"at most {most} videos per request",
+                                              param=f"messages[{i}].content[{j}]")
 
 
 async def _engine_image_part(ctx: ServerContext, part: ImageURLPart | ImageFilePart, param: str, tenant: str,

@@ -21,6 +21,7 @@ class ServerSettings:
     key_skill_bytes: int = 256 << 20  # skill KV bytes one API key may keep (429 skill_quota_exceeded)
     key_skills: int = 1000  # skills one API key may keep
     max_images_per_request: int = 16
+    max_videos_per_request: int = 8  # video parts (inline or by id), counted before any is decoded
     image_threads: int = 2  # threads decoding and resizing images before their job is queued
     max_pending_images: int = 64  # images waiting for those threads before new ones get 429
     allowed_image_url_prefixes: tuple[str, ...] = ()  # e.g. "https://images.example.com/", "file:///srv/img/"
@@ -51,6 +52,7 @@ class ServerSettings:
         assert min(self.skill_store_bytes, self.key_skill_bytes, self.key_skills) > 0, "skill quotas must be positive"
         assert self.body_timeout_s > 0, "body_timeout_s must be positive"
         assert self.max_images_per_request >= 0, "max_images_per_request must be >= 0"
+        assert self.max_videos_per_request >= 0, "max_videos_per_request must be >= 0"
         assert self.image_threads >= 1 and self.max_pending_images >= 1, "image_threads and max_pending_images >= 1"
         assert self.default_max_tokens >= 1, "the default max_tokens must be at least 1"
         assert 0.0 <= self.shadow_rate <= 1.0 and 0.0 <= self.shadow_alert <= 1.0, "shadow rate / alert in [0, 1]"

@@ -14,6 +14,7 @@ from mmkv.errors import VideoURLNotAllowedError
 from .context import ServerContext
 from .schemas import VideoFilePart, VideoURLPart
 
+VIDEO_PART_TYPES = ("video_url", "video_file")  # a chat message's video parts
 STREAM_PREFIX = "vstream-"  # live streams' ids (/v1/video_streams); not in the file store
 # Leading bytes of the accepted containers: ISO BMFF (MP4, MOV) boxes and the EBML header (MKV, WebM).
 _BMFF_BOXES = (b"ftyp", b"moov", b"mdat", b"wide", b"free", b"skip")

@@ -1,7 +1,8 @@
-"""Live video streams over HTTP (/v1/video_streams): create, append frames or a segment, ask with
-the official openai client (a question after k new groups runs the vision tower k times), read,
-delete (then 404); every bad append or create a 4xx naming its field, never a 5xx, and the stream
-unchanged."""
+"""Live video streams over HTTP (/v1/video_streams): create, append frames (one or a batch a
+request) or a segment, ask with the official openai client (a question after k new groups runs the
+vision tower k times), read, delete (then 404); a batch equals its frames appended one by one;
+every bad append or create a 4xx naming its field (a batch's bad frame by its index), never a 5xx,
+and the stream unchanged."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from mmkv.server.app import ServerSettings, create_app
 from mmkv.testing.clips import clip_frames, encode_audio_only, encode_clip
 from PIL import Image
+from mmkv.server.routes_streams import MAX_FRAMES_PER_POST
 from test_server import LiveServer, tiny_dir  # noqa: F401 - fixture
 
 SIDE = 64
@@ -20,7 +22,9 @@ SIDE = 64
 
 @pytest.fixture(scope="module")
 def live(tiny_dir):
-    server = LiveServer(create_app(mmkv.Engine.from_pretrained(tiny_dir), ServerSettings(served_model_names=("tiny",))))
+    engine = mmkv.Engine.from_pretrained(tiny_dir)
+    server = LiveServer(create_app(engine, ServerSettings(served_model_names=("tiny",))))
+    server.engine = engine
     yield server
     server.close()
 
@@ -91,10 +95,23 @@ def test_bad_appends_are_4xx_and_change_nothing(live):
     state = http.get(f"/v1/video_streams/{sid}").json()
     png = ("f.png", FRAMES[9], "image/png")
     seg = ("s.mp4", encode_clip(4, 4, SIDE, SIDE), "video/mp4")
+    other = ("f.png", _png(clip_frames(1, SIDE + 8, SIDE)[0]), "image/png")
     cases = {  # name: (path, files, fields, status, param)
         "nothing": ("frames", {}, {"time": "9"}, 400, "frame"),
         "segment as frame": ("frames", {"file": seg}, {}, 400, "file"),
-        "two frames": ("frames", [("frame", png), ("frame", png)], {}, 400, "frame"),
+        "over the batch limit": ("frames", [("frame", png)] * (MAX_FRAMES_PER_POST + 1), {}, 400, "frame"),
+        "a bad frame in a batch": ("frames", [("frame", png), ("frame", ("f.png", b"junk", "image/png")),
+                                              ("frame", png)], {"time": ["9", "9.5", "10"]}, 400, "frame[1]"),
+        "an empty frame in a batch": ("frames", [("frame", png), ("frame", ("f.png", b"", "image/png"))], {}, 400,
+                                      "frame[1]"),
+        "a frame of another size in a batch": ("frames", [("frame", png), ("frame", other)], {}, 400, "frame[1]"),
+        "a bad time in a batch": ("frames", [("frame", png)] * 3, {"time": ["9", "soon", "10"]}, 400, "time[1]"),
+        "times out of order in a batch": ("frames", [("frame", png)] * 3, {"time": ["9", "10", "9.5"]}, 400,
+                                          "frame[2]"),
+        "fewer times than frames": ("frames", [("frame", png)] * 2, {"time": "9"}, 400, "time"),
+        "a batch not after the latest": ("frames", [("frame", png)] * 2, {"time": ["0.5", "9"]}, 409, "frame"),
+        "two times for one frame": ("frames", {"frame": png}, {"time": ["9", "10"]}, 400, "time"),
+        "two segments": ("segments", [("file", seg), ("file", seg)], {}, 400, "file"),
         "time not a number": ("frames", {"frame": png}, {"time": "soon"}, 400, "time"),
         "time negative": ("frames", {"frame": png}, {"time": "-1"}, 400, "time"),
         "start with a frame": ("frames", {"frame": png}, {"start": "9"}, 400, "start"),
@@ -103,8 +120,7 @@ def test_bad_appends_are_4xx_and_change_nothing(live):
         "segment not after the latest": ("segments", {"file": seg}, {"start": "0.25"}, 409, "file"),
         "not an image": ("frames", {"frame": ("f.png", b"junk", "image/png")}, {}, 400, "frame"),
         "empty frame": ("frames", {"frame": ("f.png", b"", "image/png")}, {}, 400, "frame"),
-        "other size": ("frames", {"frame": ("f.png", _png(clip_frames(1, SIDE + 8, SIDE)[0]), "image/png")}, {}, 409,
-                       "frame"),
+        "other size": ("frames", {"frame": other}, {}, 409, "frame"),
         "extra field": ("frames", {"frame": png}, {"fps": "3"}, 400, "fps"),
         "corrupt segment": ("segments", {"file": ("s.mp4", b"\x00\x00\x00\x18ftypmp42junk", "video/mp4")}, {}, 400,
                             "file"),
@@ -125,3 +141,45 @@ def test_bad_appends_are_4xx_and_change_nothing(live):
     assert r.status_code == 400 and "no complete temporal group" in r.json()["error"]["message"]
     for s in (sid, empty):
         assert http.delete(f"/v1/video_streams/{s}").status_code == 200
+
+
+def _video(live, sid: str):
+    return live.engine.registry.videos.lookup(sid, "").video
+
+
+def _same_stream(http, a: str, b: str) -> dict:
+    """The two streams' objects, equal but for their ids."""
+    one, two = (http.get(f"/v1/video_streams/{s}").json() for s in (a, b))
+    assert {**one, "id": ""} == {**two, "id": ""}
+    return one
+
+
+def test_a_batch_equals_its_frames_one_by_one(live):
+    """A batch of frames with their times (here MAX_FRAMES_PER_POST, the most one request takes)
+    and without (one tick apart after the latest) leaves the stream exactly as the same frames
+    appended one request each: the same groups, the same hashes and times, the same greedy answer."""
+    http, client = httpx.Client(base_url=live.base_url, timeout=60), live.client()
+    create = {"fps": 2, "window_groups": 16, "max_pixels": 56 * 56}
+    single, batch = (http.post("/v1/video_streams", json=create).json()["id"] for _ in range(2))
+    assert _append(http, single, 0, MAX_FRAMES_PER_POST).status_code == 200
+    r = http.post(f"/v1/video_streams/{batch}/frames",
+                  files=[("frame", (f"{i}.png", FRAMES[i], "image/png")) for i in range(MAX_FRAMES_PER_POST)],
+                  data={"time": [str(i / 4.0) for i in range(MAX_FRAMES_PER_POST)]})
+    assert r.status_code == 200, r.text
+    assert _same_stream(http, single, batch)["groups"] == MAX_FRAMES_PER_POST // 4
+    for untimed in range(3):  # then three frames without times: one tick apart after the latest
+        ok = http.post(f"/v1/video_streams/{single}/frames", files={"frame": ("f.png", FRAMES[untimed], "image/png")})
+        assert ok.status_code == 200, ok.text
+    ok = http.post(f"/v1/video_streams/{batch}/frames",
+                   files=[("frame", ("f.png", FRAMES[i], "image/png")) for i in range(3)])
+    assert ok.status_code == 200, ok.text
+    assert _same_stream(http, single, batch)["pending_frames"] == 1
+    one, two = _video(live, single), _video(live, batch)
+    assert one.group_hashes == two.group_hashes and one.timestamps == two.timestamps
+    answers = [client.chat.completions.create(model="tiny", max_tokens=4, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "video_file", "video_file": {"file_id": sid}},
+                                     {"type": "text", "text": "what moved ?"}]}]) for sid in (single, batch)]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert answers[0].usage.completion_tokens == answers[1].usage.completion_tokens
+    for sid in (single, batch):
+        http.delete(f"/v1/video_streams/{sid}")

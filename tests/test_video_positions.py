@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mmkv.adapters import VisualGrid, load_adapter, mrope_positions
+from mmkv.testing.tiny import QWEN3_FAMILIES
 
 IMG, VID, TEXT = 100, 101, 7
 
@@ -75,7 +76,7 @@ def test_text_after_a_long_video_starts_past_its_temporal_extent():
 @pytest.fixture(scope="module")
 def adapters(tiny_dirs):
     return {f: load_adapter(tiny_dirs[f], dtype=torch.float32, device="cpu")
-            for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")}
+            for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")}
 
 
 def _hf(adapter, ids, images, videos, seconds=None):
@@ -95,19 +96,20 @@ def _ids(adapter, parts):
     return torch.tensor(ids)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_agrees_with_transformers_where_transformers_is_right(adapters, family):
-    """Images, Qwen3-VL's one-group frames, and a video no longer in time than in space: the two
-    rules agree there."""
+    """Images, Qwen3-VL's one-group frames (the MoE's own get_rope_index too), and a video no
+    longer in time than in space: the two rules agree there."""
     a = adapters[family]
-    video = a.video_grid((2, 8, 8), 8.0) if family != "qwen3_vl" else a.video_grid((1, 8, 8), 8.0)
+    qwen3 = family in QWEN3_FAMILIES
+    video = a.video_grid((1, 8, 8), 8.0) if qwen3 else a.video_grid((2, 8, 8), 8.0)
     parts = [3, VisualGrid(a.image_token_id, (1, 4, 6)), 2, video, 4]
-    if family == "qwen3_vl":
+    if qwen3:
         parts += [a.video_grid((1, 8, 8), 8.0), 2]
     ids = _ids(a, parts)
     grids = [p for p in parts if not isinstance(p, int)]
     images = [list(g.grid_thw) for g in grids if g.token_id == a.image_token_id]
-    videos = [[2, 8, 8]] if family != "qwen3_vl" else [[2, 8, 8]]  # Qwen3-VL splits a (2, h, w) grid per frame
+    videos = [[2, 8, 8]]  # Qwen3-VL splits a (2, h, w) grid per frame
     seconds = [g.second_per_grid_t for g in grids if g.token_id == a.video_token_id] if family == "qwen2_5_vl" \
         else None
     assert torch.equal(a.positions(ids, grids), _hf(a, ids, images, videos, seconds))

@@ -1,4 +1,4 @@
-"""Video reuse on all three families: each temporal group is a chunk spliced with per-axis
+"""Video reuse on every family (the Qwen3-VL MoE too): each temporal group is a chunk spliced with per-axis
 re-rotation. The splice equals the block-masked oracle (float32, 1e-4); re-rotated keys equal keys
 computed at the target; `reuse=False` is one full forward; an upload asked about in another
 conversation at another place runs the vision tower 0 times; deletes purge every group."""
@@ -17,7 +17,7 @@ from mmkv.request.videos import VideoGroupRef
 from mmkv.testing.clips import encode_clip
 
 TOL = 1e-4
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -156,8 +156,10 @@ class VideoStream:
             images.append(self._rgb(img, f"{param}[{i}]"))
             times.append(float(t))
         h, w = images[0].shape[:2]
-        if any(a.shape[:2] != (h, w) for a in images):
-            raise InvalidVideoError(f"{param}: every frame must have the size of the first", param=param)
+        other = next((i for i, a in enumerate(images) if a.shape[:2] != (h, w)), None)
+        if other is not None:
+            raise InvalidVideoError(f"{param}[{other}]: every frame must have the size of the first",
+                                    param=f"{param}[{other}]")
         if self.source_size is not None and (w, h) != self.source_size:
             raise StreamConflictError(f"{param}: frames are {w}x{h}; this stream's frames are "
                                       f"{self.source_size[0]}x{self.source_size[1]}", param=param)
