@@ -13,9 +13,12 @@ from pathlib import Path
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from mmkv.errors import ModelLoadError, RopeNotComposableError
 from mmkv.kv.cascade import PREFIX_KWARG, shared_prefix_attention
+from mmkv.kv.packed import PACKED_KWARG, Packing, PackedLayer, packed_attention_for
 
 # Rope types whose rotation by d composes with the stored angle: inv_freq does not depend on the
 # sequence length. YaRN qualifies: its attention factor scales cos and sin alike, so a cached key
@@ -298,6 +301,35 @@ class VLAdapter:
                 **kwargs,
             )
         return self.model.lm_head(out.last_hidden_state[:, -1]).float()
+
+    @torch.no_grad()
+    def forward_packed(self, tokens: torch.Tensor, positions: torch.Tensor, batch_layers: list,
+                       decode_mask: torch.Tensor, piece, shared_prefix: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of a batch (as `forward_decode`: `tokens` [B] at `positions` [B] into
+        `batch_layers`, rows masked by `decode_mask` [B, 1, 1, K + 1]) and a prefilling request's
+        text piece (`piece`: mmkv.request.splice.RidePiece) in one forward (mmkv.kv.packed).
+        Returns float32 logits [B, V] of the rows and [1, V] of the piece's last token."""
+        b = tokens.numel()
+        ids = torch.cat((tokens.view(-1), piece.ids.view(-1))).to(self.device)
+        position_ids = torch.cat((positions.view(1, -1).expand(3, -1), piece.positions), dim=1)
+        with packed_attention_for(self.text_config) as own:
+            packing = Packing(b, decode_mask.to(self.device, self.dtype), piece.mask.to(self.device), shared_prefix, own)
+            cache = Cache(layers=[PackedLayer(i, layer, piece.layers[i], packing) for i, layer in enumerate(batch_layers)])
+            with piece.writing():
+                out = self.language_model(
+                    inputs_embeds=self.language_model.embed_tokens(ids.view(1, -1)),
+                    position_ids=position_ids.view(3, 1, -1).to(self.device),
+                    past_key_values=cache,
+                    attention_mask=piece.mask.to(self.device),  # 4D: used as is; packed_attention reads `packing`
+                    use_cache=True,
+                    **{PACKED_KWARG: packing},
+                )
+        hidden = out.last_hidden_state[0]
+        return self.model.lm_head(hidden[:b]).float(), self.model.lm_head(hidden[-1:]).float()
+
+    def can_pack(self) -> bool:
+        """Whether the model's attention can run inside a packed forward (mmkv.kv.packed)."""
+        return self.text_config._attn_implementation in ALL_ATTENTION_FUNCTIONS
 
     @torch.no_grad()
     def forward_layers(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache,

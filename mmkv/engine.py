@@ -198,6 +198,25 @@ class Run:
             self.report["first_logits"] = self.first_logits.cpu()
         return True
 
+    def ride(self, max_tokens: int):
+        """The next at most `max_tokens` tokens of the turn's forward as a piece the decode step's
+        forward runs too (mmkv.kv.packed), or None when they cannot ride: a `fidelity` reference
+        forward is pending, or they hold image pads (mmkv.request.splice.ChunkedForward.ride)."""
+        pending = self.prefilled.pending
+        if self.reference is not None or pending is None:
+            return None
+        return pending.ride(max_tokens)
+
+    def rode(self, piece, logits: torch.Tensor) -> bool:
+        """Record a ridden piece as run (`logits` [1, V] of its last token); True once the turn's
+        forward is done and `first_logits` is set, as `prefill` would."""
+        if not piece.done(logits):
+            return False
+        self.prefilled.logits, self.prefilled.pending = piece.forward.logits, None
+        if self.report["first_logits"] is None:
+            self.report["first_logits"] = self.first_logits.cpu()
+        return True
+
     def release_prompt_kv(self) -> None:
         """Drop the run's reference to its prompt KV once a decode batch holds a copy (the batch
         decodes it from there): a running request keeps one copy of its KV, not two."""

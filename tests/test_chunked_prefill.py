@@ -124,8 +124,8 @@ def test_an_edit_policy_chunks_its_last_forward(engine):
 
 
 def _record(monkeypatch, engine, events: list, fail_on=None):
-    """Log every model call as ("prefill", tokens) or ("decode", rows); `fail_on(event_number)`
-    True makes that prefill forward raise."""
+    """Log every model call as ("prefill", tokens) or ("decode", rows) (a piece riding in a decode
+    step: both, the piece first); `fail_on(event_number)` True makes that prefill forward raise."""
     forward, decode = engine.adapter.forward, engine.adapter.forward_decode
 
     def recorded_forward(input_ids, *args, **kwargs):
@@ -137,8 +137,17 @@ def _record(monkeypatch, engine, events: list, fail_on=None):
     def recorded_decode(tokens, *args, **kwargs):
         events.append(("decode", tokens.numel()))
         return decode(tokens, *args, **kwargs)
+
+    def recorded_packed(tokens, positions, layers, mask, piece, **kwargs):  # a piece riding in a decode step
+        events.append(("prefill", piece.n))
+        if fail_on is not None and fail_on(len(events)):
+            raise RuntimeError("chunk failed")
+        events.append(("decode", tokens.numel()))
+        return packed(tokens, positions, layers, mask, piece, **kwargs)
+    packed = engine.adapter.forward_packed
     monkeypatch.setattr(engine.adapter, "forward", recorded_forward)
     monkeypatch.setattr(engine.adapter, "forward_decode", recorded_decode)
+    monkeypatch.setattr(engine.adapter, "forward_packed", recorded_packed)
 
 
 def _long(engine, tenant: str):

@@ -78,10 +78,11 @@ class Scheduler:
     returns a future of the request's GenerationResult; its keyword arguments are `Engine.start`'s.
     `prefill_chunk`: prompt tokens prefilled per turn between decode steps (0: whole prefills);
     `prefill_slice_ms`: a turn's share runs as forwards of about this long, and a request that
-    arrives between two of them ends the turn's prefill (0: each share is one forward)."""
+    arrives between two of them ends the turn's prefill (0: each share is one forward);
+    `ride`: a prefill whose rest fits one slice runs in the decode step's forward."""
 
     def __init__(self, engine, max_batch: int = 8, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, shadow=None,
-                 share_kv: bool = True, prefill_slice_ms: float = DEFAULT_PREFILL_SLICE_MS):
+                 share_kv: bool = True, prefill_slice_ms: float = DEFAULT_PREFILL_SLICE_MS, ride: bool = True):
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         if prefill_chunk < 0:
@@ -90,6 +91,9 @@ class Scheduler:
             raise ValueError("prefill_slice_ms must be >= 0 (0: a turn's share is one forward)")
         self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
         self.prefill_slice_ms = prefill_slice_ms
+        self.ride = ride  # a prefill's last slice runs in the decode step's forward (mmkv.kv.packed)
+        self._rider: tuple[_Request, object] | None = None  # (request, RidePiece) for this turn's step
+        self.ridden = 0  # prefills whose last piece rode in a decode step
         self._background_rate: float | None = None  # LM tokens per second of the last idle-turn build slice
         self.shadow = shadow  # mmkv.request.shadow.ShadowMonitor or None: fidelity shadows in idle turns
         self.share_kv = share_kv  # rows keep the KV they hold bit-identical once (DecodeBatch)
@@ -182,6 +186,7 @@ class Scheduler:
                     self._admit(admit)
                 if self._prefilling:
                     self._prefill()
+                self._rider = self._rider if self._running else None  # no step: it prefills next turn
                 if self._running:
                     self._step()
                 elif not (self._prefilling or self._waiting) and self.shadow is not None and self.shadow.pending:
@@ -215,7 +220,7 @@ class Scheduler:
         serving the waiting ones, and no request is left without an answer."""
         for req in self._prefilling + self._running:
             fail_future(req.future, exc)
-        self._prefilling, self._running, self.batch = [], [], None
+        self._prefilling, self._running, self.batch, self._rider = [], [], None, None
         self._note_batch()
 
     def _admit(self, req: _Request) -> None:
@@ -246,10 +251,36 @@ class Scheduler:
                 req.passed_over += 1
                 continue
             before = req.run.pending_tokens
-            self._prefill_one(req, budget)
+            if self._take_rider(req, budget):
+                ran = before  # runs in this turn's decode step
+            else:
+                self._prefill_one(req, budget)
+                ran = before - req.run.pending_tokens
             req.passed_over = 0
             if budget is not None:
-                budget = 0 if self._arrived() else max(0, budget - (before - req.run.pending_tokens))
+                budget = 0 if self._arrived() else max(0, budget - ran)
+
+    def _take_rider(self, req: _Request, budget: int | None) -> bool:
+        """Make `req` this turn's rider when the rest of its forward fits one slice, a decode step
+        runs this turn, and its tokens can ride (text, no fidelity reference): its forward then
+        runs inside the step's (mmkv.kv.packed), and the weights are read once for both."""
+        run = req.run
+        if (not self.ride or self._rider is not None or not self._running or budget is None
+                or not self.engine.adapter.can_pack()
+                or (run.stream.should_stop is not None and run.stream.should_stop())):
+            return False
+        if run.pending_tokens > self._slice(req.rate, budget):
+            return False
+        try:
+            piece = run.ride(run.pending_tokens)
+        except BaseException as exc:  # noqa: BLE001 - the request's own failure goes back to it
+            self._prefilling.remove(req)
+            fail_future(req.future, exc)
+            return True
+        if piece is None:
+            return False
+        self._rider = (req, piece)
+        return True
 
     def _arrived(self) -> bool:
         """A request waits that the batch has room for: the turn's prefill ends at the next slice."""
@@ -296,6 +327,17 @@ class Scheduler:
                 return
             if not self._forward(req, budget):
                 return
+            self._first_token(req)
+        except BaseException as exc:  # noqa: BLE001 - the request's own failure goes back to it
+            if req in self._prefilling:
+                self._prefilling.remove(req)
+            fail_future(req.future, exc)
+
+    def _first_token(self, req: _Request) -> None:
+        """`req`'s forward is done: it leaves the prefilling requests, samples its first token,
+        stores its prefix blocks, and joins the batch (or ends there)."""
+        run = req.run
+        try:
             self._prefilling.remove(req)
             req.token = run.stream.step(run.first_logits)
             run.first_token_out()
@@ -330,15 +372,28 @@ class Scheduler:
     def _step(self) -> None:
         tokens = [r.token for r in self._running]
         positions = [r.run.stream.position for r in self._running]
+        rider, self._rider = self._rider, None
         try:
             with self.engine._lock:
-                logits = self.batch.step(tokens, positions)
+                if rider is None:
+                    logits = self.batch.step(tokens, positions)
+                else:
+                    logits, last = self.batch.step(tokens, positions, rider=rider[1])
         except BaseException as exc:  # noqa: BLE001 - a failed step fails every request in it
             log.exception("batched decode step failed")
+            if rider is not None:  # its KV may be half written: it fails with the step
+                self._prefilling.remove(rider[0])
+                fail_future(rider[0].future, exc)
             self._fail_batch(exc)
             return
+        self._rows_stepped(logits, len(tokens))
+        if rider is not None:  # after the rows' own: it joins as the batch's last row
+            self._rode(rider[0], rider[1], last)
+
+    def _rows_stepped(self, logits, rows: int) -> None:
+        """Each running request takes its row of the step's logits; finished ones leave the batch."""
         self.decode_steps += 1
-        self.decoded_tokens += len(tokens)
+        self.decoded_tokens += rows
         finished = set()
         for i, r in enumerate(self._running):
             try:
@@ -361,6 +416,18 @@ class Scheduler:
                 return
             self._running = [self._running[i] for i in order]
             self._note_batch()
+
+    def _rode(self, req: _Request, piece, logits) -> None:
+        """The rider's piece ran in the step: its forward is done; its first token and its row."""
+        try:
+            done = req.run.rode(piece, logits)
+        except BaseException as exc:  # noqa: BLE001 - the request's own failure goes back to it
+            self._prefilling.remove(req)
+            fail_future(req.future, exc)
+            return
+        self.ridden += 1
+        if done:
+            self._first_token(req)
 
     def _note_batch(self) -> None:
         """What the decode batch holds, for /metrics (read from any thread: one dict swapped in)."""

@@ -18,6 +18,7 @@ then, the pieces together equal the one forward (within float rounding).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -379,6 +380,69 @@ class ChunkedForward:
             if not self.remaining:
                 self.logits = logits
         return not self.remaining
+
+
+    def ride(self, max_tokens: int) -> RidePiece | None:
+        """The next min(max_tokens, remaining) tokens as a piece for the decode step's forward to run
+        (mmkv.kv.packed), or None when they cannot ride: they hold image or video pads (visual
+        features, deepstack), or nothing is left. `RidePiece.done(logits)` records it as run."""
+        if not self.remaining or max_tokens < 1:
+            return None
+        n = min(max_tokens, self.remaining)
+        piece = self.index[self.done:self.done + n]
+        lo, hi = int(piece[0]), int(piece[-1]) + 1
+        if self.features(lo, hi) is not None or bool(self.adapter.visual_mask(self.input_ids[piece]).any()):
+            return None
+        if self.layers is None:  # appended after the cache, causal
+            past = self.cache.get_seq_length()
+            visible, layers, slots = past + n, self.cache.layers[:self.adapter.num_layers], None
+            rows = torch.arange(n)[:, None] + past
+        else:  # into its slots, causal by prompt index
+            visible, layers, slots = hi, self.layers, piece.to(self.adapter.device)
+            rows = piece[:, None]
+        mask = torch.zeros(n, visible, dtype=self.adapter.dtype)
+        mask.masked_fill_(torch.arange(visible)[None, :] > rows, float("-inf"))
+        return RidePiece(self, n, self.input_ids[piece], self.positions[:, piece], mask[None, None], layers, slots,
+                         visible)
+
+    def _rode(self, n: int, logits: torch.Tensor) -> bool:
+        self.done += n
+        if not self.remaining:
+            self.logits = logits
+        return not self.remaining
+
+
+@dataclass
+class RidePiece:
+    """Prompt tokens of a ChunkedForward run inside another forward (the decode step's: mmkv.kv.packed):
+    `ids` [n] at `positions` [3, n], their keys and values into `layers` (at `slots`, else
+    appended), attending under `mask` [1, 1, n, visible]."""
+
+    forward: ChunkedForward
+    n: int
+    ids: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    layers: list
+    slots: torch.Tensor | None
+    visible: int
+
+    @contextlib.contextmanager
+    def writing(self):
+        """Slot layers write this piece's slots while the forward runs (as `forward_into_slots`)."""
+        if self.slots is not None:
+            for layer in self.layers:
+                layer.slots, layer.visible = self.slots, self.visible
+        try:
+            yield
+        finally:
+            if self.slots is not None:
+                for layer in self.layers:
+                    layer.slots = None
+
+    def done(self, logits: torch.Tensor) -> bool:
+        """Record the piece as run; `logits` [1, V] are its last token's. True once the forward is done."""
+        return self.forward._rode(self.n, logits)
 
 
 def forward_into_slots(adapter: VLAdapter, cache: DynamicCache, layers: list[SlotLayer], input_ids: torch.Tensor,
