@@ -104,6 +104,9 @@ def serve(
                                                     help="A turn's prefill runs as forwards of about this "
                                                          "long; a request arriving between two is prefilled "
                                                          "next. 0 = one forward a turn.")] = 100.0,
+    ride_prefill: Annotated[bool, typer.Option("--ride-prefill/--no-ride-prefill", envvar="MMKV_RIDE_PREFILL",
+                                               help="A prefill whose rest fits one slice runs in the decode "
+                                                    "step's forward (weights read once for both).")] = True,
     max_body_mb: Annotated[float, typer.Option(envvar="MMKV_MAX_BODY_MB", help="Largest request body (413).")] = 32.0,
     file_store_gb: Annotated[float, typer.Option(envvar="MMKV_FILE_STORE_GB",
                                                  help="Uploaded image bytes kept in memory, all keys (507).")] = 2.0,
@@ -213,7 +216,7 @@ def serve(
 
         settings = ServerSettings(  # first: a bad flag fails before the model loads
             api_keys=tuple(api_key or ()), max_queue=max_queue, max_batch=max_batch, max_body_bytes=int(max_body_mb * (1 << 20)),
-            prefill_chunk=prefill_chunk, prefill_slice_ms=prefill_slice_ms,
+            prefill_chunk=prefill_chunk, prefill_slice_ms=prefill_slice_ms, ride_prefill=ride_prefill,
             file_store_bytes=int(file_store_gb * (1 << 30)), max_images_per_request=max_images_per_request,
             max_videos_per_request=max_videos_per_request,
             key_file_bytes=int(key_file_quota_mb * (1 << 20)), key_files=key_file_quota_count,

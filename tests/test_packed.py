@@ -180,3 +180,27 @@ def test_a_failed_ridden_step_fails_its_requests_and_leaves_nothing(engine, monk
     control = engine.generate([rider_msgs[0], {"role": "user", "content": "a control ?"}], max_new_tokens=1)
     later = engine.generate(rider_msgs, max_new_tokens=1)
     assert later.prefix_tokens_reused == control.prefix_tokens_reused  # the policy's blocks only: none of its own
+
+
+def test_serve_flags_reach_the_scheduler(monkeypatch):
+    """`mmkv serve --no-ride-prefill --prefill-slice-ms 40` reaches the server's scheduler; a
+    negative slice is refused before the server starts."""
+    from typer.testing import CliRunner
+
+    import mmkv.server.app as server_app
+    import mmkv.server.serve as server_serve
+    from mmkv.cli import app as cli
+
+    captured, real_create_app = [], server_app.create_app
+
+    def create_app(engine, settings):
+        built = real_create_app(engine, settings)
+        captured.append(built.state.ctx.worker.scheduler)
+        return built
+    monkeypatch.setattr(server_app, "create_app", create_app)
+    monkeypatch.setattr(server_serve, "serve", lambda *args, **kwargs: None)
+    result = CliRunner().invoke(cli, ["serve", "--store-dir", "none", "--no-ride-prefill", "--prefill-slice-ms", "40"])
+    assert result.exit_code == 0, result.output
+    assert (captured[0].ride, captured[0].prefill_slice_ms) == (False, 40.0)
+    refused = CliRunner().invoke(cli, ["serve", "--store-dir", "none", "--prefill-slice-ms", "-1"])
+    assert refused.exit_code == 2, refused.output

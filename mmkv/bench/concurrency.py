@@ -26,7 +26,8 @@ the client's own question), `temperature` 1.0 with a seed, completion lengths fr
 (`MIX_LENGTHS`, each client starting at its own place in the cycle, so every client asks for the
 same tokens in another order), end tokens banned on every second request and other `logit_bias`
 entries or none on the rest (so some end early, by their own seeded draw). The table adds each
-batched cell's ratio to the serial arm's.
+batched cell's ratio to the serial arm's, and an arm without prefills riding in the decode steps
+(`--no-ride-prefill`).
 
 `--mode shadow`: the fidelity monitor's cost: 4 clients streaming about one uploaded image (spliced
 at a moved position, the fast path it shadows), tokens/s with `--shadow-rate` 0, 0.01 and 0.1.
@@ -286,11 +287,13 @@ def _mix_body(engine, file_id: str, client: int, j: int, tag: str) -> dict:
 
 
 def _mix_table(engine, image_tokens: int, rounds: int) -> list[str]:
-    """`--mix`: N clients (1, 4, 8), each MIX_REQUESTS requests back to back, batched vs serial,
-    arms alternating within each round."""
+    """`--mix`: N clients (1, 4, 8), each MIX_REQUESTS requests back to back, batched (prefills
+    riding in the decode steps, the default), batched with every prefill its own forward, and
+    serial, arms alternating within each round."""
     from mmkv.bench.run import _picture
 
-    servers = {arm: _server(engine, batch) for arm, batch in (("batched", 8), ("serial", 1))}
+    arms = (("batched", 8, True), ("no ride", 8, False), ("serial", 1, True))
+    servers = {arm: _server(engine, batch, ride_prefill=ride) for arm, batch, ride in arms}
     pictures = [_picture(engine, image_tokens, variant=v) for v in range(2)]
     cells: dict[tuple[str, int], list] = {}
     try:

@@ -14,12 +14,14 @@ loop (nano-vllm's schedule -> run -> postprocess):
    its previous forward), and a request that arrives while the batch has room ends the turn's
    prefill after the forward in flight: it is admitted next turn and, being short, prefilled
    first, so it waits one slice, not one chunk;
-3. step: one batched forward runs the last token of every running request (`DecodeBatch`);
+3. step: one batched forward runs the last token of every running request (`DecodeBatch`); a
+   prefilling request whose rest fits one slice (a text piece: no image pads, no fidelity
+   reference) rides in it instead of running its own forward (mmkv.kv.packed), so the weights
+   are read once for both;
 4. postprocess: each request's `DecodeStream` takes its row of logits; finished requests leave
    the batch and their futures get their `GenerationResult`.
-The budget per turn is one chunk's tokens plus one decode step; they are separate forwards (each
-prefilling request's piece is its own forward, and a decode row does not ride along in it). Only
-the turn's final forward is chunked: a cache
+The budget per turn is one chunk's tokens plus one decode step; each piece but a rider's is its
+own forward. Only the turn's final forward is chunked: a cache
 miss's precompile (vision tower, the chunk's isolated prefill) and an edit policy's small extra
 forwards run whole in `Engine.start`. Requests keep their own sampling settings, stop strings,
 callbacks and cancellation (a request cancelled mid-prefill ends before its next chunk, its KV
