@@ -304,28 +304,32 @@ class VLAdapter:
 
     @torch.no_grad()
     def forward_packed(self, tokens: torch.Tensor, positions: torch.Tensor, batch_layers: list,
-                       decode_mask: torch.Tensor, piece, shared_prefix: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       decode_mask: torch.Tensor, pieces: list, shared_prefix: list | None = None
+                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One decode step of a batch (as `forward_decode`: `tokens` [B] at `positions` [B] into
-        `batch_layers`, rows masked by `decode_mask` [B, 1, 1, K + 1]) and a prefilling request's
-        text piece (`piece`: mmkv.request.splice.RidePiece) in one forward (mmkv.kv.packed).
-        Returns float32 logits [B, V] of the rows and [1, V] of the piece's last token."""
+        `batch_layers`, rows masked by `decode_mask` [B, 1, 1, K + 1]) and prefilling requests'
+        text pieces (`pieces`: mmkv.request.splice.RidePiece) in one forward (mmkv.kv.packed).
+        Returns float32 logits [B, V] of the rows and [1, V] of each piece's last token."""
         b = tokens.numel()
-        ids = torch.cat((tokens.view(-1), piece.ids.view(-1))).to(self.device)
-        position_ids = torch.cat((positions.view(1, -1).expand(3, -1), piece.positions), dim=1)
-        with packed_attention_for(self.text_config) as own:
-            packing = Packing(b, decode_mask.to(self.device, self.dtype), piece.mask.to(self.device), shared_prefix, own)
-            cache = Cache(layers=[PackedLayer(i, layer, piece.layers[i], packing) for i, layer in enumerate(batch_layers)])
-            with piece.writing():
-                out = self.language_model(
-                    inputs_embeds=self.language_model.embed_tokens(ids.view(1, -1)),
-                    position_ids=position_ids.view(3, 1, -1).to(self.device),
-                    past_key_values=cache,
-                    attention_mask=piece.mask.to(self.device),  # 4D: used as is; packed_attention reads `packing`
-                    use_cache=True,
-                    **{PACKED_KWARG: packing},
-                )
-        hidden = out.last_hidden_state[0]
-        return self.model.lm_head(hidden[:b]).float(), self.model.lm_head(hidden[-1:]).float()
+        ids = torch.cat([tokens.view(-1)] + [p.ids.view(-1) for p in pieces]).to(self.device)
+        position_ids = torch.cat([positions.view(1, -1).expand(3, -1)] + [p.positions for p in pieces], dim=1)
+        with packed_attention_for(self.text_config) as own, contextlib.ExitStack() as writing:
+            packing = Packing(b, decode_mask.to(self.device, self.dtype), [p.n for p in pieces],
+                              [p.mask.to(self.device) for p in pieces], shared_prefix, own)
+            cache = Cache(layers=[PackedLayer(i, layer, [p.layers[i] for p in pieces], packing)
+                                  for i, layer in enumerate(batch_layers)])
+            for p in pieces:
+                writing.enter_context(p.writing())
+            out = self.language_model(
+                inputs_embeds=self.language_model.embed_tokens(ids.view(1, -1)),
+                position_ids=position_ids.view(3, 1, -1).to(self.device),
+                past_key_values=cache,
+                attention_mask=pieces[0].mask.to(self.device),  # 4D: used as is; packed_attention reads `packing`
+                use_cache=True,
+                **{PACKED_KWARG: packing},
+            )
+        hidden, ends = out.last_hidden_state[0], torch.tensor([p.n for p in pieces]).cumsum(0) + b - 1
+        return self.model.lm_head(hidden[:b]).float(), list(self.model.lm_head(hidden[ends]).float().split(1))
 
     def can_pack(self) -> bool:
         """Whether the model's attention can run inside a packed forward (mmkv.kv.packed)."""

@@ -138,12 +138,13 @@ def _record(monkeypatch, engine, events: list, fail_on=None):
         events.append(("decode", tokens.numel()))
         return decode(tokens, *args, **kwargs)
 
-    def recorded_packed(tokens, positions, layers, mask, piece, **kwargs):  # a piece riding in a decode step
-        events.append(("prefill", piece.n))
-        if fail_on is not None and fail_on(len(events)):
-            raise RuntimeError("chunk failed")
+    def recorded_packed(tokens, positions, layers, mask, pieces, **kwargs):  # pieces riding in a decode step
+        for piece in pieces:
+            events.append(("prefill", piece.n))
+            if fail_on is not None and fail_on(len(events)):
+                raise RuntimeError("chunk failed")
         events.append(("decode", tokens.numel()))
-        return packed(tokens, positions, layers, mask, piece, **kwargs)
+        return packed(tokens, positions, layers, mask, pieces, **kwargs)
     packed = engine.adapter.forward_packed
     monkeypatch.setattr(engine.adapter, "forward", recorded_forward)
     monkeypatch.setattr(engine.adapter, "forward_decode", recorded_decode)

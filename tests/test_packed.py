@@ -88,7 +88,7 @@ def test_a_ridden_step_equals_a_step_then_the_pieces_own_forward(engine, case, s
             else:
                 piece = rider.ride(n)
                 assert piece is not None and piece.n == n
-                logits, last = batch.step(firsts, positions, rider=piece)
+                logits, (last,) = batch.step(firsts, positions, riders=[piece])
                 done = rider.rode(piece, last)
         assert done == (piece_tokens is None)
         results[arm] = (logits, rider.first_logits if done else None, _kv(batch.layers, None),
@@ -204,3 +204,30 @@ def test_serve_flags_reach_the_scheduler(monkeypatch):
     assert (captured[0].ride, captured[0].prefill_slice_ms) == (False, 40.0)
     refused = CliRunner().invoke(cli, ["serve", "--store-dir", "none", "--prefill-slice-ms", "-1"])
     assert refused.exit_code == 2, refused.output
+
+
+def test_several_riders_in_one_step_equal_their_own_forwards(engine):
+    """Two prefills (one appended after a prefix hit, one into a splice's slots) ride in one step:
+    each equals its own forward, and the rows equal the plain step."""
+    msgs_a = CASES["after a prefix hit"][0]
+    msgs_b = [{"role": "user", "content": [_rows(engine, False)[0][1]["content"][0], {"type": "text", "text": "size ?"}]}]
+    for msgs in (msgs_a, msgs_b):
+        engine.generate(msgs, max_new_tokens=1)
+    results = {}
+    for arm in ("separate", "ridden"):
+        batch, firsts, positions, first = _state(engine, False, msgs_a, {})
+        second = engine.start(msgs_b, max_new_tokens=4)
+        with engine._lock:
+            if arm == "separate":
+                logits = batch.step(firsts, positions)
+                assert first.prefill(None) and second.prefill(None)
+            else:
+                pieces = [first.ride(first.pending_tokens), second.ride(second.pending_tokens)]
+                logits, lasts = batch.step(firsts, positions, riders=pieces)
+                assert all(run.rode(piece, last) for run, piece, last in zip((first, second), pieces, lasts))
+        results[arm] = (logits, [first.first_logits, second.first_logits], _kv(batch.layers),
+                        _kv(first.cache.layers) + _kv(second.cache.layers))
+    (la, fa, ba, ra), (lb, fb, bb, rb) = results["separate"], results["ridden"]
+    assert (la - lb).abs().max().item() <= TOL
+    assert all((x - y).abs().max().item() <= TOL for x, y in zip(fa, fb))
+    assert _close(ba, bb) <= TOL and _close(ra, rb) <= TOL

@@ -1,14 +1,15 @@
-"""Packed attention: one forward runs the decode batch's next tokens and a prefilling request's
-piece together (a prefill that rides in the decode step, as vLLM's and SGLang's mixed batches do).
+"""Packed attention: one forward runs the decode batch's next tokens and prefilling requests'
+pieces together (prefills that ride in the decode step, as vLLM's and SGLang's mixed batches do).
 
-The forward's sequence is the batch's B decode tokens followed by the rider's n prompt tokens,
-each at its own M-RoPE position; the projections, MLPs and norms run over all B + n tokens at once,
-so the weights are read once for both. Only attention keeps them apart: the cache's `update`
-(`PackedLayer`) writes the decode tokens' keys and values into the batch's rows and the rider's
-into the rider's own cache, and `packed_attention` (registered with transformers'
-`AttentionInterface`, in force inside `packed_attention_for`) runs the model's own attention twice:
-the decode queries over the batch rows with the batch's mask (cascade attention over a shared
-prefix where the batch keeps one), and the rider's queries over its cache with its own mask. Each
+The forward's sequence is the batch's B decode tokens followed by each rider's prompt tokens,
+each at its own M-RoPE position; the projections, MLPs and norms run over all of them at once,
+so the weights are read once for all. Only attention keeps them apart: the cache's `update`
+(`PackedLayer`) writes the decode tokens' keys and values into the batch's rows and each rider's
+into that rider's own cache, and `packed_attention` (registered with transformers'
+`AttentionInterface`, in force inside `packed_attention_for`) runs the model's own attention per
+part: the decode queries over the batch rows with the batch's mask (cascade attention over a
+shared prefix where the batch keeps one), and each rider's queries over its cache with its own
+mask. Each
 token therefore sees exactly what it sees in a separate forward; only the matrix shapes differ
 (float rounding, tested within a tolerance against the separate forwards).
 """
@@ -38,38 +39,42 @@ class Packing:
 
     rows: int  # decode tokens first: one per batch row
     decode_mask: torch.Tensor  # [B, 1, 1, K + 1] over the batch rows' slots (0 / -inf)
-    rider_mask: torch.Tensor  # [1, 1, n, visible] over the rider's cache (0 / -inf)
+    rider_tokens: list[int]  # then each rider's tokens, in order
+    rider_masks: list[torch.Tensor]  # [1, 1, n, visible] each, over its own cache (0 / -inf)
     prefix: list | None  # per layer (keys, values) [1, kv_heads, P, head_dim] the batch rows share, or None
     attention: str  # the model's attention implementation, run for both parts
-    kv: dict[int, tuple] = field(default_factory=dict)  # layer -> (decode k, v, rider k, v)
+    kv: dict[int, tuple] = field(default_factory=dict)  # layer -> ((decode k, v), [(rider k, v), ...])
 
 
 class PackedLayer(DynamicLayer):
     """One layer's cache for a packed forward: the first `rows` new tokens go to the decode batch's
-    layer (one per row), the rest to the rider's layer; what each returns is kept for attention."""
+    layer (one per row), each rider's to its own layer; what each returns is kept for attention."""
 
-    def __init__(self, index: int, batch_layer, rider_layer, packing: Packing):
+    def __init__(self, index: int, batch_layer, rider_layers: list, packing: Packing):
         super().__init__()
-        self.index, self.batch_layer, self.rider_layer, self.packing = index, batch_layer, rider_layer, packing
+        self.index, self.batch_layer, self.rider_layers, self.packing = index, batch_layer, rider_layers, packing
         self.dtype, self.device, self.is_initialized = batch_layer.dtype, batch_layer.device, True
         self.keys, self.values = batch_layer.keys, batch_layer.values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         b = self.packing.rows
-        dk, dv = self.batch_layer.update(key_states[0, :, :b].transpose(0, 1).unsqueeze(2),
-                                         value_states[0, :, :b].transpose(0, 1).unsqueeze(2))
-        rk, rv = self.rider_layer.update(key_states[:, :, b:], value_states[:, :, b:])
-        self.packing.kv[self.index] = (dk, dv, rk, rv)
+        decoded = self.batch_layer.update(key_states[0, :, :b].transpose(0, 1).unsqueeze(2),
+                                          value_states[0, :, :b].transpose(0, 1).unsqueeze(2))
+        riders, start = [], b
+        for layer, n in zip(self.rider_layers, self.packing.rider_tokens):
+            riders.append(layer.update(key_states[:, :, start:start + n], value_states[:, :, start:start + n]))
+            start += n
+        self.packing.kv[self.index] = (decoded, riders)
         return key_states, value_states  # unused: packed_attention reads `packing.kv`
 
 
 def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      **kwargs) -> tuple[torch.Tensor, None]:
-    """query [1, Hq, B + n, D]: the decode rows' queries, then the rider's. Returns [1, B + n, Hq, D]."""
+    """query [1, Hq, B + N, D]: the decode rows' queries, then each rider's. Returns [1, B + N, Hq, D]."""
     packing: Packing = kwargs.pop(PACKED_KWARG)
     kwargs.pop(PREFIX_KWARG, None)
-    dk, dv, rk, rv = packing.kv.pop(module.layer_idx)
+    (dk, dv), riders = packing.kv.pop(module.layer_idx)
     b = packing.rows
     own = ALL_ATTENTION_FUNCTIONS[packing.attention]
     q_decode = query[0, :, :b].transpose(0, 1).unsqueeze(2)  # [B, Hq, 1, D]
@@ -78,8 +83,11 @@ def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     else:
         decoded, _ = cascade_attention(module, q_decode, dk, dv, packing.decode_mask, scaling=scaling,
                                        **{PREFIX_KWARG: packing.prefix})
-    ridden, _ = own(module, query[:, :, b:], rk, rv, packing.rider_mask, scaling=scaling, dropout=dropout)
-    return torch.cat((decoded.transpose(0, 1).reshape(1, b, *decoded.shape[2:]), ridden), dim=1), None
+    parts, start = [decoded.transpose(0, 1).reshape(1, b, *decoded.shape[2:])], b
+    for (rk, rv), n, mask in zip(riders, packing.rider_tokens, packing.rider_masks):
+        parts.append(own(module, query[:, :, start:start + n], rk, rv, mask, scaling=scaling, dropout=dropout)[0])
+        start += n
+    return torch.cat(parts, dim=1), None
 
 
 AttentionInterface.register(NAME, packed_attention)

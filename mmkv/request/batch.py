@@ -162,23 +162,23 @@ class DecodeBatch:
         self._refresh()
         return order
 
-    def step(self, tokens: list[int], positions: list[int], rider=None) -> torch.Tensor:
+    def step(self, tokens: list[int], positions: list[int], riders: list | None = None) -> torch.Tensor:
         """Run token b at position b for every row; logits [B, V]. Each row's new key and value go
         into slot `end` in place; the window grows (a copy, geometrically) only when the buffers
-        have no slot left. With `rider` (mmkv.request.splice.RidePiece) a prefilling request's
-        text piece runs in the same forward (mmkv.kv.packed); then (logits [B, V], the piece's
+        have no slot left. With `riders` (mmkv.request.splice.RidePiece) prefilling requests' text
+        pieces run in the same forward (mmkv.kv.packed); then (logits [B, V], each piece's
         last-token logits [1, V])."""
         if self.end == self.slot_capacity:
             self._reallocate(self.row_capacity, self.length + 1, self.layers[0].key_buffer)
         slots = torch.arange(self.length + 1)
         visible = slots[None, :] >= torch.tensor(self.pad)[:, None]
         mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))[:, None, None, :]
-        if rider is None:
+        if not riders:
             logits = self.adapter.forward_decode(torch.tensor(tokens), torch.tensor(positions), self.cache, mask,
                                                  shared_prefix=self.prefix)
         else:
             logits = self.adapter.forward_packed(torch.tensor(tokens), torch.tensor(positions), self.layers, mask,
-                                                 rider, shared_prefix=self.prefix)
+                                                 riders, shared_prefix=self.prefix)
         self.end += 1
         self._refresh()
         return logits

@@ -14,10 +14,10 @@ loop (nano-vllm's schedule -> run -> postprocess):
    its previous forward), and a request that arrives while the batch has room ends the turn's
    prefill after the forward in flight: it is admitted next turn and, being short, prefilled
    first, so it waits one slice, not one chunk;
-3. step: one batched forward runs the last token of every running request (`DecodeBatch`); a
-   prefilling request whose rest fits one slice (a text piece: no image pads, no fidelity
-   reference) rides in it instead of running its own forward (mmkv.kv.packed), so the weights
-   are read once for both;
+3. step: one batched forward runs the last token of every running request (`DecodeBatch`); the
+   prefilling requests whose rest fits one slice (text pieces: no image pads, no fidelity
+   reference) ride in it instead of running their own forwards (mmkv.kv.packed), so the weights
+   are read once for all;
 4. postprocess: each request's `DecodeStream` takes its row of logits; finished requests leave
    the batch and their futures get their `GenerationResult`.
 The budget per turn is one chunk's tokens plus one decode step; each piece but a rider's is its
@@ -94,7 +94,7 @@ class Scheduler:
         self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
         self.prefill_slice_ms = prefill_slice_ms
         self.ride = ride  # a prefill's last slice runs in the decode step's forward (mmkv.kv.packed)
-        self._rider: tuple[_Request, object] | None = None  # (request, RidePiece) for this turn's step
+        self._riders: list[tuple[_Request, object]] = []  # (request, RidePiece) riding in this turn's step
         self.ridden = 0  # prefills whose last piece rode in a decode step
         self._background_rate: float | None = None  # LM tokens per second of the last idle-turn build slice
         self.shadow = shadow  # mmkv.request.shadow.ShadowMonitor or None: fidelity shadows in idle turns
@@ -188,7 +188,7 @@ class Scheduler:
                     self._admit(admit)
                 if self._prefilling:
                     self._prefill()
-                self._rider = self._rider if self._running else None  # no step: it prefills next turn
+                self._riders = self._riders if self._running else []  # no step: they prefill next turn
                 if self._running:
                     self._step()
                 elif not (self._prefilling or self._waiting) and self.shadow is not None and self.shadow.pending:
@@ -222,7 +222,7 @@ class Scheduler:
         serving the waiting ones, and no request is left without an answer."""
         for req in self._prefilling + self._running:
             fail_future(req.future, exc)
-        self._prefilling, self._running, self.batch, self._rider = [], [], None, None
+        self._prefilling, self._running, self.batch, self._riders = [], [], None, []
         self._note_batch()
 
     def _admit(self, req: _Request) -> None:
@@ -263,11 +263,11 @@ class Scheduler:
                 budget = 0 if self._arrived() else max(0, budget - ran)
 
     def _take_rider(self, req: _Request, budget: int | None) -> bool:
-        """Make `req` this turn's rider when the rest of its forward fits one slice, a decode step
+        """Make `req` one of this turn's riders when the rest of its forward fits one slice, a decode step
         runs this turn, and its tokens can ride (text, no fidelity reference): its forward then
         runs inside the step's (mmkv.kv.packed), and the weights are read once for both."""
         run = req.run
-        if (not self.ride or self._rider is not None or not self._running or budget is None
+        if (not self.ride or not self._running or budget is None
                 or not self.engine.adapter.can_pack()
                 or (run.stream.should_stop is not None and run.stream.should_stop())):
             return False
@@ -281,7 +281,7 @@ class Scheduler:
             return True
         if piece is None:
             return False
-        self._rider = (req, piece)
+        self._riders.append((req, piece))
         return True
 
     def _arrived(self) -> bool:
@@ -374,23 +374,23 @@ class Scheduler:
     def _step(self) -> None:
         tokens = [r.token for r in self._running]
         positions = [r.run.stream.position for r in self._running]
-        rider, self._rider = self._rider, None
+        riders, self._riders = self._riders, []
         try:
             with self.engine._lock:
-                if rider is None:
+                if not riders:
                     logits = self.batch.step(tokens, positions)
                 else:
-                    logits, last = self.batch.step(tokens, positions, rider=rider[1])
+                    logits, lasts = self.batch.step(tokens, positions, riders=[piece for _, piece in riders])
         except BaseException as exc:  # noqa: BLE001 - a failed step fails every request in it
             log.exception("batched decode step failed")
-            if rider is not None:  # its KV may be half written: it fails with the step
-                self._prefilling.remove(rider[0])
-                fail_future(rider[0].future, exc)
+            for req, _ in riders:  # their KV may be half written: they fail with the step
+                self._prefilling.remove(req)
+                fail_future(req.future, exc)
             self._fail_batch(exc)
             return
         self._rows_stepped(logits, len(tokens))
-        if rider is not None:  # after the rows' own: it joins as the batch's last row
-            self._rode(rider[0], rider[1], last)
+        for (req, piece), last in zip(riders, lasts if riders else ()):  # after the rows': they join last
+            self._rode(req, piece, last)
 
     def _rows_stepped(self, logits, rows: int) -> None:
         """Each running request takes its row of the step's logits; finished ones leave the batch."""
@@ -420,7 +420,7 @@ class Scheduler:
             self._note_batch()
 
     def _rode(self, req: _Request, piece, logits) -> None:
-        """The rider's piece ran in the step: its forward is done; its first token and its row."""
+        """A rider's piece ran in the step: its forward is done; its first token and its row."""
         try:
             done = req.run.rode(piece, logits)
         except BaseException as exc:  # noqa: BLE001 - the request's own failure goes back to it
