@@ -258,3 +258,29 @@ def test_idle_turn_builds_run_in_slices():
     for _turn in range(3):
         scheduler._build_in_background()
     assert budgets[0] == FIRST_SLICE and set(budgets[1:]) <= {16, 32}, budgets
+
+
+def test_a_rider_is_not_held_behind_another_prefill():
+    """A short request that rides in the decode step got its first token only after the turn's
+    other prefills ran (a long prompt's slices, up to a chunk): once one rides, the others wait for
+    the next turn (passed over, so aging still serves them)."""
+    from mmkv.request.scheduler import _Request
+
+    class ShortRun(_FakeRun):
+        def ride(self, n):
+            return ("piece", n)
+
+    class LongRun(_FakeRun):
+        def ride(self, n):
+            raise AssertionError("a long prompt's rest does not fit one slice: it is never asked to ride")
+
+    adapter = type("A", (), {"can_pack": staticmethod(lambda: True)})()
+    engine = type("E", (), {"_lock": threading.RLock(), "adapter": adapter})()
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=256)
+    scheduler._running = [_Request(None, {})]  # a row decodes: a step runs this turn
+    long_req, short_req = _Request(None, {}), _Request(None, {})
+    long_req.run, short_req.run = LongRun(10_000), ShortRun(10)
+    scheduler._prefilling += [long_req, short_req]
+    scheduler._prefill()
+    assert scheduler._riders == [(short_req, ("piece", 10))]
+    assert long_req.run.given == [] and long_req.passed_over == 1

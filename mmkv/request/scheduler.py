@@ -245,7 +245,10 @@ class Scheduler:
         `AGING_TURNS` turns goes first, so a stream of short requests cannot starve a long one.
         Each request's piece runs as its own forwards, slices of about `prefill_slice_ms`; a request
         that arrives meanwhile ends the turn's prefill after the slice in flight (`_forward`). One
-        whose forward finishes samples its first token and joins the batch."""
+        whose rest fits one slice rides in the decode step instead (`_take_rider`), and once one
+        rides the others wait for the next turn (aging still puts a passed-over one first), so no
+        other prefill delays the riders' first tokens. One whose forward finishes samples its first
+        token and joins the batch."""
         budget = self.prefill_chunk or None
         order = sorted(self._prefilling, key=lambda r: (r.passed_over < AGING_TURNS, r.run.pending_tokens))
         for req in order:
@@ -255,6 +258,9 @@ class Scheduler:
             before = req.run.pending_tokens
             if self._take_rider(req, budget):
                 ran = before  # runs in this turn's decode step
+            elif self._riders:  # its forward would hold the riders' first tokens: the step runs next
+                req.passed_over += 1
+                continue
             else:
                 self._prefill_one(req, budget)
                 ran = before - req.run.pending_tokens
