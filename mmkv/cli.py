@@ -103,10 +103,15 @@ def serve(
     prefill_slice_ms: Annotated[float, typer.Option(envvar="MMKV_PREFILL_SLICE_MS", min=0,
                                                     help="A turn's prefill runs as forwards of about this "
                                                          "long; a request arriving between two is prefilled "
-                                                         "next. 0 = one forward a turn.")] = 100.0,
+                                                         "next. 0 = one forward a turn.")] = 0.0,
     ride_prefill: Annotated[bool, typer.Option("--ride-prefill/--no-ride-prefill", envvar="MMKV_RIDE_PREFILL",
-                                               help="A prefill whose rest fits one slice runs in the decode "
+                                               help="A prefill with at most 64 tokens left runs in the decode "
                                                     "step's forward (weights read once for both).")] = True,
+    preempt_prefill: Annotated[bool, typer.Option("--preempt-prefill/--no-preempt-prefill",
+                                                  envvar="MMKV_PREEMPT_PREFILL",
+                                                  help="A request arriving while a prefill forward runs stops "
+                                                       "it at its next layer and is prefilled first; the "
+                                                       "piece runs again.")] = True,
     max_body_mb: Annotated[float, typer.Option(envvar="MMKV_MAX_BODY_MB", help="Largest request body (413).")] = 32.0,
     file_store_gb: Annotated[float, typer.Option(envvar="MMKV_FILE_STORE_GB",
                                                  help="Uploaded image bytes kept in memory, all keys (507).")] = 2.0,
@@ -217,6 +222,7 @@ def serve(
         settings = ServerSettings(  # first: a bad flag fails before the model loads
             api_keys=tuple(api_key or ()), max_queue=max_queue, max_batch=max_batch, max_body_bytes=int(max_body_mb * (1 << 20)),
             prefill_chunk=prefill_chunk, prefill_slice_ms=prefill_slice_ms, ride_prefill=ride_prefill,
+            preempt_prefill=preempt_prefill,
             file_store_bytes=int(file_store_gb * (1 << 30)), max_images_per_request=max_images_per_request,
             max_videos_per_request=max_videos_per_request,
             key_file_bytes=int(key_file_quota_mb * (1 << 20)), key_files=key_file_quota_count,

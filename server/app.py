@@ -52,7 +52,8 @@ def create_app(engine, settings: ServerSettings = ServerSettings()) -> FastAPI:
                                blend=settings.shadow_blend, target=settings.shadow_target,
                                select=engine.settings.blend_select)
     worker = EngineWorker(engine, settings.max_queue, settings.max_batch, settings.prefill_chunk, shadow,
-                          prefill_slice_ms=settings.prefill_slice_ms, ride_prefill=settings.ride_prefill)
+                          prefill_slice_ms=settings.prefill_slice_ms, ride_prefill=settings.ride_prefill,
+                          preempt_prefill=settings.preempt_prefill)
     metrics = ServerMetrics(worker.live_stats, lambda: worker.queue_depth,
                             shadow.snapshot if shadow is not None else None)
     tiers = getattr(engine, "tiers", None)  # disk / shared tiers (mmkv/store/tiers.py): durable files, shared tenants

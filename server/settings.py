@@ -11,8 +11,9 @@ class ServerSettings:
     max_queue: int = 64  # engine jobs waiting before new ones get 429
     max_batch: int = 8  # generations decoded together (continuous batching); more wait in the queue
     prefill_chunk: int = 512  # prompt tokens per prefill forward between decode steps; 0 = whole prefills
-    ride_prefill: bool = True  # a prefill whose rest fits one slice runs in the decode step's forward
-    prefill_slice_ms: float = 100.0  # a turn's prefill runs as forwards of about this long, arrivals looked at between; 0 = one
+    ride_prefill: bool = True  # a prefill with a few tokens left runs in the decode step's forward
+    preempt_prefill: bool = True  # a request arriving mid-forward cuts a prefill forward short at its next layer
+    prefill_slice_ms: float = 0.0  # a turn's prefill runs as forwards of about this long, arrivals looked at between; 0 = one
     max_body_bytes: int = 32 << 20  # any request body, uploads and data: URLs included (413 above)
     body_timeout_s: float = 60.0  # a request body must arrive within this, from the first byte (408)
     file_store_bytes: int = 2 << 30  # uploaded image bytes kept, all tenants together (507)

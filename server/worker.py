@@ -67,7 +67,7 @@ class EngineWorker:
     `stats()` as of the last finished job (read without touching the engine)."""
 
     def __init__(self, engine, max_queue: int = 64, max_batch: int = 8, prefill_chunk: int = 512, shadow=None,
-                 prefill_slice_ms: float = 100.0, ride_prefill: bool = True):
+                 prefill_slice_ms: float = 0.0, ride_prefill: bool = True, preempt_prefill: bool = True):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
@@ -75,7 +75,7 @@ class EngineWorker:
         from mmkv.request.scheduler import Scheduler  # here: importing the server must not import torch
 
         self.scheduler = Scheduler(engine, max_batch, prefill_chunk, shadow, prefill_slice_ms=prefill_slice_ms,
-                                   ride=ride_prefill)
+                                   ride=ride_prefill, preempt=preempt_prefill)
         self.stats: dict[str, Any] = {}
         self._pending: deque[Job] = deque()
         self._cond = threading.Condition()

@@ -244,41 +244,47 @@ def test_a_failing_chunk_fails_only_its_request(engine, monkeypatch):
     engine.check_integrity()
 
 
-def test_a_request_arriving_mid_turn_waits_one_slice_not_the_chunk(engine, monkeypatch):
-    """Prefill fairness: with a 512-token chunk a turn, a long prompt's share runs as slices
-    (FIRST_SLICE tokens, then `prefill_slice_ms` sized; here the smallest, MIN_SLICE); a short
-    request submitted during one of its forwards is prefilled right after that forward: the long
-    prompt's forward in flight was one slice, not the whole chunk. Both answer as alone."""
-    from mmkv.request.scheduler import FIRST_SLICE, MIN_SLICE
-
-    long_msgs = [{"role": "user", "content": TEXT * 12 + "refund ?"}]
+@pytest.mark.parametrize("reuse", [False, True], ids=["appended", "into slots"])
+def test_a_request_arriving_mid_forward_preempts_it(engine, monkeypatch, reuse):
+    """Prefill fairness: a short request that arrived during a long prompt's 512-token forward
+    waited for all of it (9.5x its TTFT alone behind a 4k prompt on the bench CPU). Now the forward
+    stops before its next layer, the short request is prefilled next, and the long prompt's piece
+    runs again from where it was: both answer as alone, so the cut-short forward left no trace in
+    the long prompt's cache (appended after it: `reuse=False`, or into a splice's slots)."""
     short_msgs = [{"role": "user", "content": "hi ?"}]
-    want = {name: engine.generate(m, max_new_tokens=3, reuse=False) for name, m in
-            (("long", long_msgs), ("short", short_msgs))}
+    tenant = f"preempt-{reuse}"
+    if reuse:  # an image spliced after a long system prompt: the text goes into the splice's slots
+        long_msgs = _long(engine, tenant)
+        engine.start(long_msgs, max_new_tokens=1, tenant=tenant)  # the image precompiled, nothing prefilled
+        want_long = engine.generate(_long(engine, "alone"), max_new_tokens=3, tenant="alone")
+    else:
+        long_msgs = [{"role": "user", "content": TEXT * 12 + "refund ?"}]
+        want_long = engine.generate(long_msgs, max_new_tokens=3, reuse=False)
+    want = {"long": want_long, "short": engine.generate(short_msgs, max_new_tokens=3, reuse=False)}
     events: list = []
     _record(monkeypatch, engine, events)
-    sched = Scheduler(engine, max_batch=4, prefill_chunk=512, prefill_slice_ms=1e-9)
+    sched = Scheduler(engine, max_batch=4, prefill_chunk=512)
     submitted: dict = {}
     forward = engine.adapter.forward
 
-    def arrive_on_second_forward(input_ids, *args, **kwargs):
-        if len(events) == 1 and "short" not in submitted:  # the long prompt's second forward starts
-            submitted["at"] = len(events)
+    def arrive_during_the_first_forward(input_ids, *args, **kwargs):
+        if "short" not in submitted:
             submitted["short"] = sched.submit(short_msgs, max_new_tokens=3, reuse=False)
         return forward(input_ids, *args, **kwargs)
-    monkeypatch.setattr(engine.adapter, "forward", arrive_on_second_forward)
-    long_future = sched.submit(long_msgs, max_new_tokens=3, reuse=False)
+    monkeypatch.setattr(engine.adapter, "forward", arrive_during_the_first_forward)
+    long_future = sched.submit(long_msgs, max_new_tokens=3, reuse=reuse, tenant=tenant)
     sched.start()
     try:
         got = {"long": long_future.result(timeout=120), "short": None}
         got["short"] = submitted["short"].result(timeout=120)
     finally:
         sched.stop()
-    assert got["long"].lm_tokens_computed > 512
     prefills = [n for kind, n in events if kind == "prefill"]
-    assert prefills[:2] == [FIRST_SLICE, MIN_SLICE], prefills
-    assert prefills[2] == got["short"].lm_tokens_computed  # next forward: the short request's whole prefill
-    assert sum(prefills) == got["long"].lm_tokens_computed + got["short"].lm_tokens_computed
+    assert sched.preemptions == 1
+    assert prefills[0] == min(512, got["long"].lm_tokens_computed)  # cut short ...
+    assert prefills[1] == got["short"].lm_tokens_computed  # ... the short request's prefill next ...
+    assert sum(prefills[2:]) == got["long"].lm_tokens_computed  # ... then the long prompt's, whole again
     for name in want:
         assert got[name].token_ids == want[name].token_ids
         assert (got[name].first_logits - want[name].first_logits).abs().max().item() <= TOL
+    engine.check_integrity()

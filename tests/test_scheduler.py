@@ -156,7 +156,7 @@ def test_a_long_prefill_is_not_starved_by_short_ones():
     from mmkv.request.scheduler import AGING_TURNS, _Request
 
     engine = type("E", (), {"_lock": threading.RLock()})()
-    scheduler = Scheduler(engine, max_batch=64, prefill_chunk=16)
+    scheduler = Scheduler(engine, max_batch=64, prefill_chunk=16, preempt=False)
     long_req = _Request(None, {})
     long_req.run = _FakeRun(10_000)
     scheduler._prefilling.append(long_req)
@@ -219,7 +219,7 @@ def test_a_turn_prefills_in_slices_and_an_arrival_ends_it():
     from mmkv.request.scheduler import FIRST_SLICE, _Request
 
     engine = type("E", (), {"_lock": threading.RLock()})()
-    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=256, prefill_slice_ms=40)
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=256, prefill_slice_ms=40, preempt=False)
     long_req = _Request(None, {})
     long_req.run = _TimedRun(10_000, ms_per_token=1.0)
     scheduler._prefilling.append(long_req)
@@ -230,7 +230,7 @@ def test_a_turn_prefills_in_slices_and_an_arrival_ends_it():
     long_req.run.on_forward = lambda i: scheduler._waiting.append(_Request(None, {})) if i == 0 else None
     scheduler._prefill()
     assert len(given) == 1 and given[0] in (16, 32), given
-    whole = Scheduler(engine, max_batch=4, prefill_chunk=256, prefill_slice_ms=0)
+    whole = Scheduler(engine, max_batch=4, prefill_chunk=256, prefill_slice_ms=0, preempt=False)
     other = _Request(None, {})
     other.run = _TimedRun(10_000, ms_per_token=0.0)
     whole._prefilling.append(other)
@@ -276,7 +276,7 @@ def test_a_rider_is_not_held_behind_another_prefill():
 
     adapter = type("A", (), {"can_pack": staticmethod(lambda: True)})()
     engine = type("E", (), {"_lock": threading.RLock(), "adapter": adapter})()
-    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=256)
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=256, preempt=False)
     scheduler._running = [_Request(None, {})]  # a row decodes: a step runs this turn
     long_req, short_req = _Request(None, {}), _Request(None, {})
     long_req.run, short_req.run = LongRun(10_000), ShortRun(10)
@@ -284,3 +284,40 @@ def test_a_rider_is_not_held_behind_another_prefill():
     scheduler._prefill()
     assert scheduler._riders == [(short_req, ("piece", 10))]
     assert long_req.run.given == [] and long_req.passed_over == 1
+
+
+def test_arrivals_cannot_starve_a_prefill_by_preempting_it():
+    """A forward cut short by an arrival runs again; after MAX_PREEMPTIONS in a row it runs to its
+    end whatever arrives, and only a request that arrives during the forward cuts it short (not
+    one already waiting at its start)."""
+    from mmkv.request.scheduler import MAX_PREEMPTIONS, _Request
+
+    layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(3))
+    adapter = type("A", (), {"language_model": type("LM", (), {"layers": layers})()})()
+    engine = type("E", (), {"_lock": threading.RLock(), "adapter": adapter})()
+    scheduler = Scheduler(engine, max_batch=64, prefill_chunk=64)
+
+    class LayeredRun(_FakeRun):
+        def __init__(self, pending, arrive_in: Scheduler | None):
+            super().__init__(pending)
+            self.arrive_in = arrive_in
+
+        def prefill(self, n):
+            for layer in layers:
+                if layer is layers[0] and self.arrive_in is not None:  # a request arrives while it runs
+                    self.arrive_in.submit(None)
+                layer(torch.zeros(1))
+            return super().prefill(n)
+    req = _Request(None, {})
+    req.run = LayeredRun(10_000, scheduler)
+    for _turn in range(MAX_PREEMPTIONS):
+        assert scheduler._forward(req, 64) is False and req.run.given == []
+    assert scheduler.preemptions == MAX_PREEMPTIONS
+    scheduler._forward(req, 64)
+    assert req.run.given == [64] and req.preempted == 0
+    waiting_before = Scheduler(engine, max_batch=64, prefill_chunk=64)
+    waiting_before._waiting.append(_Request(None, {}))
+    other = _Request(None, {})
+    other.run = LayeredRun(10_000, None)
+    waiting_before._forward(other, 64)
+    assert other.run.given == [64] and waiting_before.preemptions == 0

@@ -11,8 +11,9 @@ the interpreter.
 
 `--mode prefill` (chunked prefill): one stream decodes; once it has its first tokens a request
 with a long prompt (`--prompt-tokens`, text, no prefix-cache hit) arrives. For the server with
-prefills whole (`--prefill-chunk 0`) and chunked (`--prefill-chunk`; each chunk twice: in slices of
-the default `--prefill-slice-ms`, and as one forward a turn), the table gives the decoding
+prefills whole (`--prefill-chunk 0`) and chunked (`--prefill-chunk`; each chunk with an arrival
+preempting the forward in flight, the default, and without; `--prefill-slice-ms` adds arms in
+slices of those times), the table gives the decoding
 stream's largest gap between two tokens while the long prompt is prefilled (and its usual gap)
 and the long request's TTFT, with the ratio of chunked to whole; and a short request's TTFT
 alone, when it arrives just behind the long prompt, and when it arrives mid-prefill (once the
@@ -314,11 +315,13 @@ def _mix_table(engine, image_tokens: int, rounds: int) -> list[str]:
     return _rate_lines(cells, list(servers), vs_serial=True)
 
 
-def _prefill_table(engine, prompt_tokens: int, chunks: list[int], rounds: int) -> list[str]:
+def _prefill_table(engine, prompt_tokens: int, chunks: list[int], slices: list[float], rounds: int) -> list[str]:
     arms = {"whole": {"prefill_chunk": 0}}
-    for c in chunks:  # sliced (the server's default --prefill-slice-ms) and one forward a turn
-        arms[f"{c} sliced"] = {"prefill_chunk": c}
-        arms[f"{c} 1 fwd"] = {"prefill_chunk": c, "prefill_slice_ms": 0}
+    for c in chunks:  # an arrival preempts a forward (the default), none does, in slices of each time
+        arms[f"{c} preempt"] = {"prefill_chunk": c}
+        arms[f"{c} no preempt"] = {"prefill_chunk": c, "preempt_prefill": False}
+        for ms in slices:
+            arms[f"{c}/{ms:g} ms"] = {"prefill_chunk": c, "prefill_slice_ms": ms, "preempt_prefill": False}
     servers = {arm: _server(engine, 8, **kw) for arm, kw in arms.items()}
     cells: dict[str, list[dict]] = {}
     try:
@@ -331,14 +334,14 @@ def _prefill_table(engine, prompt_tokens: int, chunks: list[int], rounds: int) -
                 cells.setdefault(arm, []).append(_collect(_spawn(url, bodies, "_run_stall")))
     finally:
         _stop(servers)
-    lines = [f"{'prefill':>11} {'usual gap ms':>13} {'largest gap ms':>15} {'long TTFT ms':>13} {'TTFT vs whole':>14} "
+    lines = [f"{'prefill':>14} {'usual gap ms':>13} {'largest gap ms':>15} {'long TTFT ms':>13} {'TTFT vs whole':>14} "
              f"{'short alone ms':>15} {'behind ms':>10} {'behind/alone':>13} {'mid ms':>7} {'mid/alone':>10}"]
     whole = statistics.median(c["ttft"] for c in cells["whole"])
     for arm in servers:
         med = {k: statistics.median(c[k] for c in cells[arm])
                for k in ("usual", "gap", "ttft", "short_alone", "short_behind", "short_mid")}
         late = sum(c["mid_early"] for c in cells[arm])
-        lines.append(f"{arm:>11} {med['usual'] * 1e3:>13.0f} {med['gap'] * 1e3:>15.0f} {med['ttft'] * 1e3:>13.0f} "
+        lines.append(f"{arm:>14} {med['usual'] * 1e3:>13.0f} {med['gap'] * 1e3:>15.0f} {med['ttft'] * 1e3:>13.0f} "
                      f"{med['ttft'] / whole:>13.2f}x {med['short_alone'] * 1e3:>15.0f} "
                      f"{med['short_behind'] * 1e3:>10.0f} {med['short_behind'] / med['short_alone']:>12.2f}x "
                      f"{med['short_mid'] * 1e3:>7.0f} {med['short_mid'] / med['short_alone']:>9.2f}x"
@@ -415,6 +418,8 @@ def bench_concurrency_command(
                                            "whole; not in all) or all.")] = "all",
     prompt_tokens: Annotated[int, typer.Option(help="--mode prefill: the long prompt's tokens; "
                                                           "--mode shared: the policy's.")] = 2048,
+    prefill_slice_ms: Annotated[str, typer.Option(help="--mode prefill: more arms, in slices of these times "
+                                                       "in ms, comma-separated (none by default).")] = "",
     prefill_chunk: Annotated[str, typer.Option(help="--mode prefill: the chunked arms' chunks, comma-separated "
                                                     "(one arm each, beside the whole prefill).")] = "512",
     mix: Annotated[bool, typer.Option("--mix", help="--mode clients: each client sends requests about an image, "
@@ -433,6 +438,13 @@ def bench_concurrency_command(
         chunks = [int(c) for c in prefill_chunk.split(",")]
     except ValueError:
         chunks = []
+    try:
+        slices = [float(t) for t in prefill_slice_ms.split(",")] if prefill_slice_ms else []
+    except ValueError:
+        slices = [0.0]
+    if slices and min(slices) <= 0:
+        raise typer.BadParameter(f"expected positive times in ms, comma-separated; got {prefill_slice_ms!r}",
+                                 param_hint="--prefill-slice-ms")
     if not chunks or min(chunks) < 1:
         raise typer.BadParameter(f"expected positive token counts, comma-separated; got {prefill_chunk!r}",
                                  param_hint="--prefill-chunk")
@@ -449,7 +461,7 @@ def bench_concurrency_command(
         tables.append((f"{tokens} tokens per request", _clients_table(engine, tokens, rounds)))
     if mode in ("prefill", "all"):
         tables.append((f"one stream decoding, a {prompt_tokens}-token prompt arrives",
-                       _prefill_table(engine, prompt_tokens, chunks, rounds)))
+                       _prefill_table(engine, prompt_tokens, chunks, slices, rounds)))
     if mode in ("shadow", "all"):
         tables.append((f"4 clients about one image, {tokens} tokens each, the fidelity monitor off and on",
                        _shadow_table(engine, tokens, rounds)))

@@ -35,6 +35,7 @@ precompile) interleaves with decode steps instead of racing them.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -66,13 +67,21 @@ class _Request:
     token: int | None = None  # the next token to run
     passed_over: int = 0  # prefill turns in which it got no tokens (aging: see Scheduler._prefill)
     rate: float | None = None  # prompt tokens per second of its last prefill forward (slice sizing)
+    preempted: int = 0  # its forwards cut short in a row by an arrival (see Scheduler._preemptible)
 
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens prefilled per loop turn, between two decode steps
 AGING_TURNS = 4  # a prefilling request passed over this many turns goes first
-DEFAULT_PREFILL_SLICE_MS = 100.0  # about this long per prefill forward, then arrivals are looked at
-FIRST_SLICE = 64  # a request's first forward, before its rate is known
+DEFAULT_PREFILL_SLICE_MS = 0.0  # 0: a request's share of a turn is one forward (preemption bounds the wait)
+FIRST_SLICE = 64  # a request's first sliced forward, before its rate is known
 MIN_SLICE = 16  # no forward is sized below this many tokens (the per-forward overhead)
+MAX_RIDE_TOKENS = 64  # a prefill rides in a decode step only when this few tokens are left: a step cannot be cut short
+MAX_PREEMPTIONS = 2  # a forward cut short this many times in a row runs to its end the next time
+
+
+class _Preempted(Exception):
+    """A request arrived while a prefill forward ran: the forward stops before its next layer and
+    its piece runs again later (mmkv.request.splice.ChunkedForward.advance leaves no trace of it)."""
 
 
 class Scheduler:
@@ -81,10 +90,13 @@ class Scheduler:
     `prefill_chunk`: prompt tokens prefilled per turn between decode steps (0: whole prefills);
     `prefill_slice_ms`: a turn's share runs as forwards of about this long, and a request that
     arrives between two of them ends the turn's prefill (0: each share is one forward);
-    `ride`: a prefill whose rest fits one slice runs in the decode step's forward."""
+    `ride`: a prefill with at most MAX_RIDE_TOKENS left runs in the decode step's forward;
+    `preempt`: a request that arrives while a prefill forward runs stops it at its next layer
+    (the piece runs again later), so it waits about one layer, not one chunk."""
 
     def __init__(self, engine, max_batch: int = 8, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, shadow=None,
-                 share_kv: bool = True, prefill_slice_ms: float = DEFAULT_PREFILL_SLICE_MS, ride: bool = True):
+                 share_kv: bool = True, prefill_slice_ms: float = DEFAULT_PREFILL_SLICE_MS, ride: bool = True,
+                 preempt: bool = True):
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         if prefill_chunk < 0:
@@ -93,7 +105,10 @@ class Scheduler:
             raise ValueError("prefill_slice_ms must be >= 0 (0: a turn's share is one forward)")
         self.engine, self.max_batch, self.prefill_chunk = engine, max_batch, prefill_chunk
         self.prefill_slice_ms = prefill_slice_ms
-        self.ride = ride  # a prefill's last slice runs in the decode step's forward (mmkv.kv.packed)
+        self.ride = ride  # a prefill's last few tokens run in the decode step's forward (mmkv.kv.packed)
+        self.preempt = preempt  # an arrival cuts a prefill forward short at its next layer
+        self.preemptions = 0  # prefill forwards cut short
+        self._submitted = 0  # requests ever queued: a preemption waits for a new one
         self._riders: list[tuple[_Request, object]] = []  # (request, RidePiece) riding in this turn's step
         self.ridden = 0  # prefills whose last piece rode in a decode step
         self._background_rate: float | None = None  # LM tokens per second of the last idle-turn build slice
@@ -131,6 +146,7 @@ class Scheduler:
             if self._stopping or self._draining:
                 raise SchedulerStoppedError("the server is shutting down")
             self._waiting.append(req)
+            self._submitted += 1
             self._cond.notify()
         return req.future
 
@@ -277,7 +293,7 @@ class Scheduler:
                 or not self.engine.adapter.can_pack()
                 or (run.stream.should_stop is not None and run.stream.should_stop())):
             return False
-        if run.pending_tokens > self._slice(req.rate, budget):
+        if run.pending_tokens > min(MAX_RIDE_TOKENS, self._slice(req.rate, budget)):
             return False
         try:
             piece = run.ride(run.pending_tokens)
@@ -312,8 +328,14 @@ class Scheduler:
         while True:
             piece = None if budget is None else self._slice(req.rate, budget)
             before, t0 = run.pending_tokens, time.perf_counter()
-            with self.engine._lock:
-                done = run.prefill(piece)
+            try:
+                with self.engine._lock, self._preemptible(req) if budget is not None else contextlib.nullcontext():
+                    done = run.prefill(piece)
+            except _Preempted:
+                req.preempted += 1
+                self.preemptions += 1
+                return False
+            req.preempted = 0
             ran, elapsed = before - run.pending_tokens, time.perf_counter() - t0
             if ran > 0 and elapsed > 0:
                 req.rate = ran / elapsed
@@ -322,6 +344,26 @@ class Scheduler:
             budget -= ran
             if budget <= 0 or self._arrived():
                 return False
+
+    @contextlib.contextmanager
+    def _preemptible(self, req: _Request):
+        """While `req`'s prefill forward runs, a request that arrives (and has room) stops it before
+        its next decoder layer (`_Preempted`); not one that was waiting already (one is admitted a
+        turn), and not after MAX_PREEMPTIONS in a row, so arrivals cannot starve a long prompt."""
+        if not self.preempt or req.preempted >= MAX_PREEMPTIONS:
+            yield
+            return
+        submitted = self._submitted
+
+        def check(_module, _args):
+            if self._submitted > submitted and self._arrived():
+                raise _Preempted
+        handles = [layer.register_forward_pre_hook(check) for layer in self.engine.adapter.language_model.layers[1:]]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _prefill_one(self, req: _Request, budget: int | None) -> None:
         """Run at most `budget` tokens of `req`'s forward; after its last, its first token and its

@@ -363,7 +363,8 @@ class ChunkedForward:
 
     def advance(self, max_tokens: int | None = None) -> bool:
         """Run the next min(max_tokens, remaining) tokens in one forward (None: all remaining).
-        True once every token ran and `logits` (of the last one) is set."""
+        True once every token ran and `logits` (of the last one) is set. A forward that raises
+        (the scheduler preempts one when a request arrives) changes nothing: the piece runs again."""
         if max_tokens is not None and max_tokens < 1:
             raise ValueError("a prefill piece must have at least one token")
         if self.remaining:
@@ -371,9 +372,14 @@ class ChunkedForward:
             piece = self.index[self.done:self.done + n]
             lo, hi = int(piece[0]), int(piece[-1]) + 1
             if self.layers is None:
-                logits = self.adapter.forward(self.input_ids[lo:hi], self.positions[:, lo:hi], self.cache,
-                                              self.features(lo, hi))
-            else:
+                past = self.cache.get_seq_length()
+                try:
+                    logits = self.adapter.forward(self.input_ids[lo:hi], self.positions[:, lo:hi], self.cache,
+                                                  self.features(lo, hi))
+                except BaseException:
+                    _truncate(self.cache, past)  # a piece cut short (preempted, failed) leaves the cache as it was
+                    raise
+            else:  # a piece cut short leaves only its own slots written, rewritten when it runs again
                 logits = forward_into_slots(self.adapter, self.cache, self.layers, self.input_ids, self.positions,
                                             piece, self.features(lo, hi))
             self.done += n
@@ -410,6 +416,13 @@ class ChunkedForward:
         if not self.remaining:
             self.logits = logits
         return not self.remaining
+
+
+def _truncate(cache: DynamicCache, length: int) -> None:
+    """Every layer back to its first `length` slots (the layers a cut-short forward reached)."""
+    for layer in cache.layers:
+        if layer.is_initialized and layer.keys.shape[-2] > length:
+            layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
 
 
 @dataclass
