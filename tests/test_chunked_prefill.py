@@ -9,6 +9,7 @@ request."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -151,6 +152,12 @@ def _record(monkeypatch, engine, events: list, fail_on=None):
     monkeypatch.setattr(engine.adapter, "forward_packed", recorded_packed)
 
 
+def _until_decoding(sched) -> None:
+    """Wait until the scheduler ran a decode step: the next request arrives into a running batch."""
+    while sched.decode_steps == 0:
+        time.sleep(0.001)
+
+
 def _long(engine, tenant: str):
     return [{"role": "system", "content": TEXT * 6},
             {"role": "user", "content": [_image(engine, tenant, 9), {"type": "text", "text": "what shape ?"}]}]
@@ -170,10 +177,13 @@ def test_decode_steps_run_between_the_chunks_of_a_long_prefill(engine, monkeypat
     want_b = engine.generate(_long(engine, "alone"), max_new_tokens=8, tenant="alone")  # no prefix hit for B below
     events: list = []
     _record(monkeypatch, engine, events)
+    long_msgs = _long(engine, f"order{chunk}")  # its image uploaded (precompiled) before the count starts
+    events.clear()
     sched = Scheduler(engine, max_batch=4, prefill_chunk=chunk)
     a = sched.submit(short, tenant="order", **kw)
-    b = sched.submit(_long(engine, f"order{chunk}"), max_new_tokens=8, tenant=f"order{chunk}")  # after A's prefill
     sched.start()
+    _until_decoding(sched)
+    b = sched.submit(long_msgs, max_new_tokens=8, tenant=f"order{chunk}")  # A decodes
     try:
         got_a, got_b = a.result(timeout=120), b.result(timeout=120)
     finally:
@@ -232,9 +242,10 @@ def test_a_failing_chunk_fails_only_its_request(engine, monkeypatch):
     want = engine.generate(short, tenant="fail", **kw)
     sched = Scheduler(engine, max_batch=4, prefill_chunk=8)
     ok = sched.submit(short, tenant="fail", **kw)
+    sched.start()
+    _until_decoding(sched)
     doomed = sched.submit(_long(engine, "fail"), max_new_tokens=4, tenant="fail",
                           on_start=lambda: armed.update(on=True))  # start() places the KV, then chunks fail
-    sched.start()
     try:
         with pytest.raises(RuntimeError, match="chunk failed"):
             doomed.result(timeout=120)

@@ -241,9 +241,9 @@ def test_a_turn_prefills_in_slices_and_an_arrival_ends_it():
 
 
 def test_idle_turn_builds_run_in_slices():
-    """A first-sight build in an idle turn ran `--prefill-chunk` tokens at once, so a request that
-    arrived waited a whole chunk's forward: it now runs one slice a turn, FIRST_SLICE tokens, then
-    sized from the last slice's rate (40 ms at 1 token per ms: 32 tokens, or 16 on a slow clock)."""
+    """With `prefill_slice_ms` a first-sight build in an idle turn runs one slice, FIRST_SLICE tokens,
+    then sized from the last slice's rate (40 ms at 1 token per ms: 32 tokens, or 16 on a slow
+    clock), not a whole chunk's forward, so an arrival waits one slice."""
     from mmkv.request.first_sight import BackgroundRun
     from mmkv.request.scheduler import FIRST_SLICE
 
@@ -321,3 +321,23 @@ def test_arrivals_cannot_starve_a_prefill_by_preempting_it():
     other.run = LayeredRun(10_000, None)
     waiting_before._forward(other, 64)
     assert other.run.given == [64] and waiting_before.preemptions == 0
+
+
+def test_a_waiting_request_is_admitted_before_a_long_forward_starts():
+    """A short request that arrived while a long prompt was being admitted (before its forward
+    started, so nothing to preempt) waited for the long prompt's whole first chunk (6.6x its TTFT
+    alone behind a 4k prompt): now no prefill forward starts while a request waits with room; the
+    turn ends, the next admits it and prefills it first."""
+    from mmkv.request.scheduler import _Request
+
+    engine = type("E", (), {"_lock": threading.RLock()})()
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=64, preempt=False)
+    long_req = _Request(None, {})
+    long_req.run = _FakeRun(10_000)
+    scheduler._prefilling.append(long_req)
+    scheduler._waiting.append(_Request(None, {}))
+    scheduler._prefill()
+    assert long_req.run.given == [] and long_req.passed_over == 1
+    scheduler._waiting.clear()
+    scheduler._prefill()
+    assert long_req.run.given == [64]

@@ -10,14 +10,15 @@ loop (nano-vllm's schedule -> run -> postprocess):
    request whose last chunk ran samples its first token and joins the batch. So a long prompt
    delays the running requests' next token by one chunk's forward, not by its whole prefill, and
    a short request that arrives behind it waits about one chunk, not the long one's prefill.
-   A request's share runs as forwards of about `prefill_slice_ms` each (sized from the rate of
-   its previous forward), and a request that arrives while the batch has room ends the turn's
-   prefill after the forward in flight: it is admitted next turn and, being short, prefilled
-   first, so it waits one slice, not one chunk;
+   Better: a request that arrives while a prefill forward runs preempts it before its next
+   layer (`_preemptible`; the piece runs again later, no trace of it kept), so it is admitted
+   next turn and, being short, prefilled first: it waits about one layer. With
+   `prefill_slice_ms` a share runs as forwards of about that long instead, an arrival ending
+   the turn's prefill between two of them;
 3. step: one batched forward runs the last token of every running request (`DecodeBatch`); the
-   prefilling requests whose rest fits one slice (text pieces: no image pads, no fidelity
-   reference) ride in it instead of running their own forwards (mmkv.kv.packed), so the weights
-   are read once for all;
+   prefilling requests with at most MAX_RIDE_TOKENS left (text pieces: no image pads, no
+   fidelity reference) ride in it instead of running their own forwards (mmkv.kv.packed), so
+   the weights are read once for all;
 4. postprocess: each request's `DecodeStream` takes its row of logits; finished requests leave
    the batch and their futures get their `GenerationResult`.
 The budget per turn is one chunk's tokens plus one decode step; each piece but a rider's is its
@@ -217,8 +218,8 @@ class Scheduler:
         self._shut_down()
 
     def _build_in_background(self) -> None:
-        """One slice of the first-sight builds, sized like a prefill slice (from the rate of the last
-        one), so a request that arrives waits about `prefill_slice_ms`, not a chunk."""
+        """The first-sight builds, `prefill_chunk` tokens (or, with `prefill_slice_ms`, one slice
+        sized like a prefill slice from the rate of the last one), so an arrival waits at most that."""
         budget = self.prefill_chunk or None
         if budget is not None:
             budget = self._slice(self._background_rate, budget)
@@ -259,11 +260,13 @@ class Scheduler:
         prefilling requests, the one with the fewest tokens left first, so a short request behind
         a long prompt waits one chunk, not the whole prefill. A request passed over for
         `AGING_TURNS` turns goes first, so a stream of short requests cannot starve a long one.
-        Each request's piece runs as its own forwards, slices of about `prefill_slice_ms`; a request
-        that arrives meanwhile ends the turn's prefill after the slice in flight (`_forward`). One
-        whose rest fits one slice rides in the decode step instead (`_take_rider`), and once one
-        rides the others wait for the next turn (aging still puts a passed-over one first), so no
-        other prefill delays the riders' first tokens. One whose forward finishes samples its first
+        Each request's piece runs as its own forward (or slices of about `prefill_slice_ms`); a
+        request that arrives meanwhile preempts it or ends the turn's prefill after the slice in
+        flight (`_forward`). One with at most MAX_RIDE_TOKENS left rides in the decode step instead
+        (`_take_rider`), and once one
+        rides, or while a request waits to be admitted, the others wait for the next turn (aging
+        still puts a passed-over one first), so no long forward delays a rider's first token or a
+        waiting request's admission. One whose forward finishes samples its first
         token and joins the batch."""
         budget = self.prefill_chunk or None
         order = sorted(self._prefilling, key=lambda r: (r.passed_over < AGING_TURNS, r.run.pending_tokens))
@@ -274,8 +277,8 @@ class Scheduler:
             before = req.run.pending_tokens
             if self._take_rider(req, budget):
                 ran = before  # runs in this turn's decode step
-            elif self._riders:  # its forward would hold the riders' first tokens: the step runs next
-                req.passed_over += 1
+            elif self._riders or self._arrived():  # its forward would hold the riders' first tokens, or
+                req.passed_over += 1                # a waiting request's admission: the step runs next
                 continue
             else:
                 self._prefill_one(req, budget)
