@@ -17,8 +17,8 @@ slices of those times), the table gives the decoding
 stream's largest gap between two tokens while the long prompt is prefilled (and its usual gap)
 and the long request's TTFT, with the ratio of chunked to whole; and a short request's TTFT
 alone, when it arrives just behind the long prompt, and when it arrives mid-prefill (once the
-stream has three more tokens: the long prompt's context has grown), against alone (prefill
-fairness).
+stream has three more tokens, half a stream gap later: halfway through a forward of the long
+prompt, whose context has grown), against alone (prefill fairness).
 
 `--mix` (with `--mode clients`): real traffic instead of equal text requests. Each client sends
 `MIX_REQUESTS` requests back to back, each about a picture of `--image-tokens` image tokens (two
@@ -154,7 +154,9 @@ def _run_stall(url: str, bodies: list[dict]) -> dict:
     third.start()
     seen = len(stream["times"])
     while len(stream["times"]) < seen + 3 and not long_.get("times") and first.is_alive():
-        time.sleep(0.005)  # mid-prefill: three turns into the long prompt
+        time.sleep(0.005)  # mid-prefill: three turns into the long prompt ...
+    times = stream["times"]
+    time.sleep(0.5 * (times[-1] - times[-2]) if len(times) > 1 else 0.0)  # ... halfway through a turn's forward
     fourth = threading.Thread(target=_token_times, args=(url, bodies[3], short_mid, threading.Event(), 1))
     fourth.start()
     for t in (second, third, fourth, first):
