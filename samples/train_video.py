@@ -3,6 +3,7 @@
     python samples/train_video.py --base samples/models/qwen2_5_vl-tiny --out /tmp/q25-video --minutes 36
     python samples/train_video.py --base samples/models/qwen3_vl-tiny   --out /tmp/q3-video  --minutes 36
     python samples/train_video.py --base samples/models/qwen2_5_vl-tiny --out /tmp/smoke --steps 4 --val-per-type 1
+    python samples/train_video.py --write-expectations samples/models/qwen2_5_vl-tiny-video samples/models/qwen3_vl-tiny-video
 
 The clips, questions and conversations are the video evaluation's own (``vqa_eval/video_eval.py``:
 ``draw_clip``, ``QUESTIONS``, ``conversation``), drawn from string seeds ``train-<seed>-<step>-<k>``
@@ -18,6 +19,10 @@ assistant turn (``train.Batcher.labels_for``). Each step also trains on a batch 
 
 AdamW, linear warm-up, cosine decay on ``max(step / steps, elapsed / budget)`` (as ``train.py``).
 One torch thread by default; the process's CPU seconds are recorded in ``train_state.json`` (``cpu_s``).
+
+``--write-expectations`` records what shipped video checkpoints answer, in every arm of the evaluation,
+on a few fixed evaluation clips (:data:`EXPECTATION_CLIPS`) into ``samples/models/expected_video_answers.json``,
+which ``tests/test_video_models.py`` checks.
 """
 
 from __future__ import annotations
@@ -46,6 +51,11 @@ from mmkv.vqa_eval.metrics import normalize_answer
 VIDEO_TYPE_WEIGHTS = {t: 1.0 for t in V.TYPES}
 #: The image task's types mixed in (train.py's defaults: the single-image set's nine).
 IMAGE_TYPE_WEIGHTS = {t: w for t, w in T.TYPE_WEIGHTS.items() if w > 0}
+
+
+#: (type, item) of the evaluation clips whose answers are stored, each asked in conversation seed item * 1000.
+EXPECTATION_CLIPS = (("direction", 0), ("first_colour", 1), ("light_green", 2))
+EXPECTATIONS = Path(__file__).resolve().parent / "models" / "expected_video_answers.json"
 
 
 @dataclass
@@ -139,6 +149,21 @@ def copy_base(base: Path, out: Path) -> None:
             shutil.copy2(f, out / f.name)
 
 
+def answers_on(engine: Engine, qtype: str, item: int) -> dict[str, str]:
+    """Every arm's greedy answer to one evaluation clip, as `mmkv eval --task video` asks it."""
+    record = V.serve(engine, V.draw_clip(qtype, item), item * 1000, max_new_tokens=4)
+    return {arm: record[arm]["answer"] for arm in V.ARMS}
+
+
+def write_expectations(model_dirs: list[str]) -> None:
+    stored = {}
+    for d in map(Path, model_dirs):
+        engine = Engine.from_pretrained(d)
+        stored[d.name] = [{"type": t, "item": i, "answers": answers_on(engine, t, i)} for t, i in EXPECTATION_CLIPS]
+    EXPECTATIONS.write_text(json.dumps(stored, indent=2, sort_keys=True) + "\n")
+    print(f"wrote {EXPECTATIONS}")
+
+
 def base_run(base: Path) -> dict:
     """What trained the base checkpoint: its last command and its totals over every run."""
     state = json.loads((base / "train_state.json").read_text())
@@ -147,8 +172,10 @@ def base_run(base: Path) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="fine-tune a copy of a tiny Qwen-VL on the video evaluation's types")
-    ap.add_argument("--base", required=True, help="the checkpoint to start from (read only)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--base", help="the checkpoint to start from (read only)")
+    ap.add_argument("--out")
+    ap.add_argument("--write-expectations", nargs="+", metavar="MODEL_DIR",
+                    help="store these checkpoints' answers on EXPECTATION_CLIPS (no training)")
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--minutes", type=float, default=None, help="wall-clock budget")
     ap.add_argument("--steps", type=int, default=None, help="step budget (the schedule's length)")
@@ -161,10 +188,14 @@ def main(argv=None) -> None:
     ap.add_argument("--val-per-type", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.write_expectations:
+        return write_expectations(args.write_expectations)
+    if not (args.base and args.out):
+        ap.error("give --base and --out")
     if args.minutes is None and args.steps is None:
         ap.error("give --minutes and/or --steps")
     cpu0, t0 = cpu_seconds(), time.time()
-    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     base, out = Path(args.base), Path(args.out)
     copy_base(base, out)
