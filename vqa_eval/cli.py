@@ -17,7 +17,8 @@ def _split(values: list[str] | None) -> list[str]:
 
 def eval_command(
     model_dir: Annotated[Path | None, typer.Argument(
-        show_default=False, help="Local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint dir. Default: the bundled model.")] = None,
+        show_default=False, help="Local Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint dir. Default: the bundled model "
+                        "(--task video: its video-trained copy, samples/models/qwen2_5_vl-tiny-video).")] = None,
     task: Annotated[str, typer.Option(help="agreement (splice vs full recompute), errata (edit policies) or "
                                            "episodes (multi-token, two-image, text-field and erratum episodes), agent-window "
                                            "(history_policy compose on windowed agent loops; --limit: "
@@ -95,6 +96,10 @@ def eval_command(
         bad = [s for s in _split(blend_select) if s not in ("deviation", "stride")]
         if bad or (dial and task != "agreement"):
             raise ValueError("--blend runs with the agreement task; --blend-select takes deviation and stride")
+        if task == "video" and model_dir is None:
+            from mmkv.vqa_eval.video_eval import VIDEO_MODEL
+
+            model_dir = VIDEO_MODEL
         engine = Engine.from_pretrained(model_dir, dtype=dtype, device=device, anchor=anchor)
         common = dict(set_dir=set_dir, limit=limit or None, seed=seed, out=out,
                       max_new_tokens=max_new_tokens or (None if task == "episodes" else 6), engine=engine)

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from mmkv.engine import Engine
+from mmkv.engine import BUNDLED_MODEL, Engine
 from mmkv.vqa_eval.metrics import normalize_answer
 from mmkv.vqa_eval.run import _rate, header
 
@@ -46,6 +46,9 @@ QUESTIONS = {"direction": "which way did the red shape move ?", "first_colour": 
 ARMS = ("full", "splice", "no-rotate", "shuffled")
 COLOURS = {"red": (220, 30, 30), "green": (30, 190, 60), "blue": (40, 70, 220), "yellow": (235, 210, 30)}
 FRAMES, FPS, SIDE = 8, 2.0, 112
+#: The model used when none is given: the bundled Qwen2.5-VL tiny fine-tuned on these question types
+#: (samples/train_video.py; docs/models.md).
+VIDEO_MODEL = BUNDLED_MODEL.parent / "qwen2_5_vl-tiny-video"
 FILLERS = ("the weather was calm today .", "please keep answers short .", "we looked at several clips before .",
            "the camera sits on a shelf .", "nothing else happened in the room .")
 
@@ -181,8 +184,11 @@ def serve(engine: Engine, clip: Clip, seed: int, max_new_tokens: int) -> dict:
 def run_video_eval(model_dir: str | Path | None = None, limit: int | None = None, seeds: int = 2, seed: int = 0,
                    out: str | Path = "eval-video", max_new_tokens: int | None = None, engine: Engine | None = None,
                    progress: bool = True) -> dict:
-    """`limit` clips per type (default 30), each asked in `seeds` conversations."""
+    """`limit` clips per type (default 30), each asked in `seeds` conversations; `model_dir` None is
+    VIDEO_MODEL."""
     from tqdm import tqdm
+
+    model_dir = model_dir or VIDEO_MODEL
 
     engine = engine or Engine.from_pretrained(model_dir)
     budget = max_new_tokens or 4
