@@ -23,17 +23,9 @@ from mmkv.store.shared_tier import SharedTierUnavailableError
 from mmkv.testing.clips import clip_frames, encode_clip
 from PIL import Image
 from test_server import LiveServer
-from test_tiers_redis import RedisServer
+from test_tiers_shared_store import redis_server  # noqa: F401 - the fixture (one server a test, stoppable)
 
 QUESTION = "what moved ?"
-
-
-@pytest.fixture
-def redis_server():
-    server = RedisServer()
-    yield server
-    if server.proc.poll() is None:
-        server.stop()
 
 
 def small(engine) -> dict:
