@@ -269,3 +269,30 @@ def test_first_sight_off_precompiles_as_an_upload_does(tiny_dirs):
     assert got.images_in_context == 0 and got.vision_tower_runs == 1 and key in eng.cache
     assert got.lm_tokens_computed > got.usage.prompt_tokens  # the precompile's isolated prefill too
     assert eng.stats()["background_offered"] == 0
+
+
+def test_an_arrival_preempts_an_idle_build_which_resumes_unchanged(tiny_dirs, monkeypatch):
+    """A request that arrived while an idle turn's build ran waited for the build's whole chunk
+    forward: now it stops the forward at its next layer. The build stays pending (not failed),
+    keeps nothing of the cut-short piece, and once resumed stores bit for bit the precompile."""
+    eng = _engine(tiny_dirs)
+    image = _picture(31)
+    key, prepared = _key(eng, image)
+    eng.generate(_ask(image), max_new_tokens=1)
+    sched = Scheduler(eng, max_batch=2)  # not started: its idle turn is driven here
+    forward = eng.adapter.forward
+
+    def arrive_during_the_build(*args, **kwargs):
+        if not sched.waiting:
+            sched.submit(_ask(_picture(32)), max_new_tokens=1)
+        return forward(*args, **kwargs)
+    monkeypatch.setattr(eng.adapter, "forward", arrive_during_the_build)
+    sched._build_in_background()
+    monkeypatch.undo()
+    stats = eng.stats()
+    assert sched.preemptions == 1 and stats["background_pending"] == 1 and stats["background_failed"] == 0
+    assert key not in eng.cache
+    done = eng.run_background()
+    assert (done.built, done.pending) == (1, 0)
+    built, old = eng.cache.get(key, "image"), _old_precompile(eng, prepared, key)
+    assert all(torch.equal(a, b) for a, b in zip((*built.keys, *built.values), (*old.keys, *old.values)))

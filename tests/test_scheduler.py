@@ -254,7 +254,7 @@ def test_idle_turn_builds_run_in_slices():
         time.sleep(budget / 1e3)
         return BackgroundRun(built=0, tokens=budget, seconds=budget / 1e3, pending=1)
     engine = type("E", (), {"_lock": threading.RLock(), "run_background": staticmethod(run_background)})()
-    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=512, prefill_slice_ms=40)
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=512, prefill_slice_ms=40, preempt=False)
     for _turn in range(3):
         scheduler._build_in_background()
     assert budgets[0] == FIRST_SLICE and set(budgets[1:]) <= {16, 32}, budgets

@@ -80,9 +80,11 @@ MAX_RIDE_TOKENS = 64  # a prefill rides in a decode step only when this few toke
 MAX_PREEMPTIONS = 2  # a forward cut short this many times in a row runs to its end the next time
 
 
-class _Preempted(Exception):
+class _Preempted(BaseException):
     """A request arrived while a prefill forward ran: the forward stops before its next layer and
-    its piece runs again later (mmkv.request.splice.ChunkedForward.advance leaves no trace of it)."""
+    its piece runs again later (mmkv.request.splice.ChunkedForward.advance leaves no trace of it).
+    A BaseException, so a background build's own `except Exception` (a failed build is dropped)
+    lets it through: a preempted build is not a failed one."""
 
 
 class Scheduler:
@@ -219,11 +221,18 @@ class Scheduler:
 
     def _build_in_background(self) -> None:
         """The first-sight builds, `prefill_chunk` tokens (or, with `prefill_slice_ms`, one slice
-        sized like a prefill slice from the rate of the last one), so an arrival waits at most that."""
+        sized like a prefill slice from the rate of the last one). A request that arrives meanwhile
+        preempts the build's forward at its next layer, as it would a prefill's (lowest priority:
+        the build resumes in a later idle turn, its cut-short piece dropped)."""
         budget = self.prefill_chunk or None
         if budget is not None:
             budget = self._slice(self._background_rate, budget)
-        done = self.engine.run_background(budget)
+        try:
+            with self._preemptible(0):  # never starved: it runs only when nothing else would
+                done = self.engine.run_background(budget)
+        except _Preempted:
+            self.preemptions += 1
+            return
         if done.tokens > 0 and done.seconds > 0:
             self._background_rate = done.tokens / done.seconds
 
@@ -332,7 +341,8 @@ class Scheduler:
             piece = None if budget is None else self._slice(req.rate, budget)
             before, t0 = run.pending_tokens, time.perf_counter()
             try:
-                with self.engine._lock, self._preemptible(req) if budget is not None else contextlib.nullcontext():
+                preemptible = self._preemptible(req.preempted) if budget is not None else contextlib.nullcontext()
+                with self.engine._lock, preemptible:
                     done = run.prefill(piece)
             except _Preempted:
                 req.preempted += 1
@@ -349,11 +359,12 @@ class Scheduler:
                 return False
 
     @contextlib.contextmanager
-    def _preemptible(self, req: _Request):
-        """While `req`'s prefill forward runs, a request that arrives (and has room) stops it before
-        its next decoder layer (`_Preempted`); not one that was waiting already (one is admitted a
-        turn), and not after MAX_PREEMPTIONS in a row, so arrivals cannot starve a long prompt."""
-        if not self.preempt or req.preempted >= MAX_PREEMPTIONS:
+    def _preemptible(self, preempted: int):
+        """While a prefill forward runs, a request that arrives (and has room) stops it before its
+        next decoder layer (`_Preempted`); not one that was waiting already (one is admitted a
+        turn), and not after MAX_PREEMPTIONS in a row (`preempted`: the forward's count so far), so
+        arrivals cannot starve a long prompt."""
+        if not self.preempt or preempted >= MAX_PREEMPTIONS:
             yield
             return
         submitted = self._submitted
