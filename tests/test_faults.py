@@ -164,6 +164,7 @@ def test_a_fault_at_any_stage_fails_that_request_alone(engine, monkeypatch, stag
         done, pending = concurrent.futures.wait(futures.values(), timeout=SETTLE_S)
         assert not pending, f"{stage}: futures still pending after {SETTLE_S} s"
         if stage == "tier_write":
+            engine.run_background()  # the victim's inline image is written once its chunk is built (idle turns)
             engine.tiers.flush()
             assert futures["victim"].result().token_ids and engine.stats()["tier_writes_failed"] >= 1
         else:
