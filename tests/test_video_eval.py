@@ -75,3 +75,24 @@ def test_set_is_refused_for_video(tmp_path):
     """The video task draws its clips: a --set would be ignored, so it is refused."""
     result = CliRunner().invoke(app, ["eval", "--task", "video", "--set", str(tmp_path), "--out", str(tmp_path)])
     assert result.exit_code == 2 and "--set applies to the VQA set" in result.output
+
+
+def test_dial_arms_on_the_qwen3_video_model(tmp_path):
+    """`--blend` adds a splice arm per fidelity-dial ratio (kind video). At r = 1 every group's
+    tokens are recomputed in context: its answer and first token equal the full recompute's on
+    every conversation (the oracle), the vision tower still does not run, and the report has the
+    arm's column. `--blend-select` is the agreement task's and is refused here."""
+    model = "samples/models/qwen3_vl-tiny-video"
+    result = CliRunner().invoke(app, ["eval", model, "--task", "video", "--limit", "1", "--seeds", "1",
+                                      "--threads", "1", "--blend", "1", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["arms"] == [*ARMS, "blend 1"]
+    for row in report["requests"]:
+        dial = row["arms"]["blend 1"]
+        assert dial["agree"] and dial["first_agree"] and dial["vision_tower_runs"] == 0
+    assert report["summary"]["all"]["blend 1"]["agreement"]["k"] == len(TYPES)
+    assert "blend 1 agreement |" in (tmp_path / "report.md").read_text()
+    refused = CliRunner().invoke(app, ["eval", model, "--task", "video", "--blend", "0.1", "--blend-select",
+                                       "stride", "--out", str(tmp_path)])
+    assert refused.exit_code == 2 and "--blend-select" in refused.output

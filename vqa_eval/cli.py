@@ -41,7 +41,7 @@ def eval_command(
     blend: Annotated[list[str] | None, typer.Option(
         "--blend", help="agreement task (and --grid): one arm per fidelity-dial ratio, e.g. 0,0.05,0.1,0.2,0.4,1 "
                         "(a share of each spliced chunk recomputed in context); then only these and full run, "
-                        "unless --arms names more.")] = None,
+                        "unless --arms names more. video task: one more splice arm per ratio.")] = None,
     blend_select: Annotated[list[str] | None, typer.Option(
         "--blend-select", help="How the dial chooses tokens, for every --blend ratio: deviation, stride or "
                                "both (comma-separated). Default: deviation.")] = None,
@@ -94,8 +94,8 @@ def eval_command(
 
         dial = blend_arms([float(r) for r in _split(blend)], _split(blend_select) or ["deviation"]) if blend else []
         bad = [s for s in _split(blend_select) if s not in ("deviation", "stride")]
-        if bad or (dial and task != "agreement"):
-            raise ValueError("--blend runs with the agreement task; --blend-select takes deviation and stride")
+        if bad or (dial and task not in ("agreement", "video")):
+            raise ValueError("--blend runs with the agreement and video tasks; --blend-select takes deviation and stride")
         if task == "video" and model_dir is None:
             from mmkv.vqa_eval.video_eval import VIDEO_MODEL
 
@@ -112,8 +112,11 @@ def eval_command(
 
             if set_dir:
                 raise ValueError("--set applies to the VQA set; --task video draws its own clips")
+            if _split(blend_select):
+                raise ValueError("--blend-select applies to the agreement task; --task video's dial arms use deviation")
             report = run_video_eval(model_dir, limit=limit or None, seeds=seeds, seed=seed, out=out,
-                                    max_new_tokens=common["max_new_tokens"], engine=engine)
+                                    max_new_tokens=common["max_new_tokens"], engine=engine,
+                                    blend=tuple(float(r) for r in _split(blend or [])))
         elif task == "episodes":
             from mmkv.vqa_eval.episodes_eval import run_episodes
 

@@ -157,14 +157,20 @@ def _sampling(engine: Engine) -> dict:
     return {"max_pixels": 16 * f * f}
 
 
-def serve(engine: Engine, clip: Clip, seed: int, max_new_tokens: int) -> dict:
-    """Every arm on one conversation about `clip`; its record per arm."""
+def blend_arm(ratio: float) -> str:
+    return f"blend {ratio:g}"
+
+
+def serve(engine: Engine, clip: Clip, seed: int, max_new_tokens: int, blend: tuple[float, ...] = ()) -> dict:
+    """Every arm on one conversation about `clip` (and the splice with the fidelity dial at each
+    `blend` ratio); its record per arm."""
     sampling = _sampling(engine)
     mixed = conversation({"type": "video", "video": shuffled(clip, seed), **sampling}, QUESTIONS[clip.type], seed)
     calls = {"full": dict(reuse=False), "splice": dict(seam_tokens=1),
-             "no-rotate": dict(seam_tokens=1, rope_policy="none"), "shuffled": dict(reuse=False)}
+             "no-rotate": dict(seam_tokens=1, rope_policy="none"), "shuffled": dict(reuse=False),
+             **{blend_arm(r): dict(seam_tokens=1, blend=r) for r in blend}}
     out = {}
-    for arm in random.Random(f"arms-{seed}").sample(ARMS, len(ARMS)):
+    for arm in random.Random(f"arms-{seed}").sample(list(calls), len(calls)):
         tenant = f"video-eval/{clip.type}/{seed}/{arm}"  # no arm reads another's prefix blocks
         video_id = engine.add_video(list(clip.frames), tenant=tenant, **sampling)  # uploaded before the chat
         part = {"type": "video_file", "video_file": {"file_id": video_id}}
@@ -183,9 +189,9 @@ def serve(engine: Engine, clip: Clip, seed: int, max_new_tokens: int) -> dict:
 
 def run_video_eval(model_dir: str | Path | None = None, limit: int | None = None, seeds: int = 2, seed: int = 0,
                    out: str | Path = "eval-video", max_new_tokens: int | None = None, engine: Engine | None = None,
-                   progress: bool = True) -> dict:
+                   progress: bool = True, blend: tuple[float, ...] = ()) -> dict:
     """`limit` clips per type (default 30), each asked in `seeds` conversations; `model_dir` None is
-    VIDEO_MODEL."""
+    VIDEO_MODEL; `blend`: one more splice arm per fidelity-dial ratio (kind video)."""
     from tqdm import tqdm
 
     model_dir = model_dir or VIDEO_MODEL
@@ -199,24 +205,24 @@ def run_video_eval(model_dir: str | Path | None = None, limit: int | None = None
         for s in range(seeds):
             conv_seed = item * 1000 + s
             rows.append({"type": qtype, "item": item, "seed": conv_seed, "label": clip.answer,
-                         "arms": serve(engine, clip, conv_seed, budget)})
+                         "arms": serve(engine, clip, conv_seed, budget, blend)})
     report = {"task": "video", **header(engine, model_dir, "synthetic clips (vqa_eval/video_eval.py)", seed,
                                         limit, budget),
-              "n": len(rows), "arms": list(ARMS), "wall_s": round(time.perf_counter() - t0, 2),
-              "summary": _summary(rows), "requests": rows}
+              "n": len(rows), "arms": [*ARMS, *map(blend_arm, blend)], "wall_s": round(time.perf_counter() - t0, 2),
+              "summary": _summary(rows, [*ARMS, *map(blend_arm, blend)]), "requests": rows}
     from mmkv.vqa_eval.report import write_report_files
 
     write_report_files(report, out, video_markdown(report))
     return report
 
 
-def _summary(rows: list[dict]) -> dict:
+def _summary(rows: list[dict], arms: list[str]) -> dict:
     summary = {}
     for t in [*TYPES, "all"]:
         sel = [r for r in rows if t in ("all", r["type"])]
         chance = (float(np.mean([1 / len(ANSWERS[r["type"]]) for r in sel])) if sel else float("nan"))
         summary[t] = {"n": len(sel), "chance": chance}
-        for a in ARMS:
+        for a in arms:
             recs = [r["arms"][a] for r in sel]
             summary[t][a] = {"accuracy": _rate(sum(x["correct"] for x in recs), len(recs)),
                              "agreement": _rate(sum(x["agree"] for x in recs), len(recs)),
@@ -238,10 +244,15 @@ def video_markdown(report: dict) -> str:
              "| type | n | chance | accuracy full | accuracy splice | accuracy shuffled | splice agreement with full | "
              "first-token agreement | no-rotate agreement | shuffled agreement | TTFT splice / full |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    dials = [a for a in report["arms"] if a not in ARMS]
+    if dials:
+        lines[-2] += "".join(f" {a} agreement |" for a in dials)
+        lines[-1] += "---|" * len(dials)
     for t, s in report["summary"].items():
         fu, sp, nr, sh = s["full"], s["splice"], s["no-rotate"], s["shuffled"]
         ratio = sp["ttft_median_s"] / fu["ttft_median_s"] if fu["ttft_median_s"] else float("nan")
         lines.append(f"| {t} | {s['n']} | {s['chance']:.2f} | {rate(fu['accuracy'])} | {rate(sp['accuracy'])} | "
                      f"{rate(sh['accuracy'])} | {rate(sp['agreement'])} | {rate(sp['first_token_agreement'])} | "
-                     f"{rate(nr['agreement'])} | {rate(sh['agreement'])} | {ratio:.2f} |")
+                     f"{rate(nr['agreement'])} | {rate(sh['agreement'])} | {ratio:.2f} |"
+                     + "".join(f" {rate(s[a]['agreement'])} |" for a in dials))
     return "\n".join(lines) + "\n"
