@@ -209,13 +209,9 @@ class Run:
 
     def rode(self, piece, logits: torch.Tensor) -> bool:
         """Record a ridden piece as run (`logits` [1, V] of its last token); True once the turn's
-        forward is done and `first_logits` is set, as `prefill` would."""
-        if not piece.done(logits):
-            return False
-        self.prefilled.logits, self.prefilled.pending = piece.forward.logits, None
-        if self.report["first_logits"] is None:
-            self.report["first_logits"] = self.first_logits.cpu()
-        return True
+        forward is done and `first_logits` is set: `prefill` then has no token left to run and
+        finishes it as after its own last piece."""
+        return piece.done(logits) and self.prefill()
 
     def release_prompt_kv(self) -> None:
         """Drop the run's reference to its prompt KV once a decode batch holds a copy (the batch

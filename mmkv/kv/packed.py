@@ -73,7 +73,6 @@ def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
                      **kwargs) -> tuple[torch.Tensor, None]:
     """query [1, Hq, B + N, D]: the decode rows' queries, then each rider's. Returns [1, B + N, Hq, D]."""
     packing: Packing = kwargs.pop(PACKED_KWARG)
-    kwargs.pop(PREFIX_KWARG, None)
     (dk, dv), riders = packing.kv.pop(module.layer_idx)
     b = packing.rows
     own = ALL_ATTENTION_FUNCTIONS[packing.attention]

@@ -272,11 +272,10 @@ class Scheduler:
         Each request's piece runs as its own forward (or slices of about `prefill_slice_ms`); a
         request that arrives meanwhile preempts it or ends the turn's prefill after the slice in
         flight (`_forward`). One with at most MAX_RIDE_TOKENS left rides in the decode step instead
-        (`_take_rider`), and once one
-        rides, or while a request waits to be admitted, the others wait for the next turn (aging
-        still puts a passed-over one first), so no long forward delays a rider's first token or a
-        waiting request's admission. One whose forward finishes samples its first
-        token and joins the batch."""
+        (`_take_rider`), and once one rides, or while a request waits to be admitted, the others
+        wait for the next turn (aging still puts a passed-over one first), so no long forward
+        delays a rider's first token or a waiting request's admission. One whose forward finishes
+        samples its first token and joins the batch."""
         budget = self.prefill_chunk or None
         order = sorted(self._prefilling, key=lambda r: (r.passed_over < AGING_TURNS, r.run.pending_tokens))
         for req in order:
@@ -437,6 +436,7 @@ class Scheduler:
         tokens = [r.token for r in self._running]
         positions = [r.run.stream.position for r in self._running]
         riders, self._riders = self._riders, []
+        lasts: list = []  # each rider's last-token logits
         try:
             with self.engine._lock:
                 if not riders:
@@ -451,7 +451,7 @@ class Scheduler:
             self._fail_batch(exc)
             return
         self._rows_stepped(logits, len(tokens))
-        for (req, piece), last in zip(riders, lasts if riders else ()):  # after the rows': they join last
+        for (req, piece), last in zip(riders, lasts):  # after the rows': they join last
             self._rode(req, piece, last)
 
     def _rows_stepped(self, logits, rows: int) -> None:

@@ -401,13 +401,12 @@ class ChunkedForward:
             return None
         if self.layers is None:  # appended after the cache, causal
             past = self.cache.get_seq_length()
-            visible, layers, slots = past + n, self.cache.layers[:self.adapter.num_layers], None
-            rows = torch.arange(n)[:, None] + past
+            seen, visible, slots = torch.arange(n) + past, past + n, None
+            layers = self.cache.layers[:self.adapter.num_layers]
         else:  # into its slots, causal by prompt index
-            visible, layers, slots = hi, self.layers, piece.to(self.adapter.device)
-            rows = piece[:, None]
-        mask = torch.zeros(n, visible, dtype=self.adapter.dtype)
-        mask.masked_fill_(torch.arange(visible)[None, :] > rows, float("-inf"))
+            seen, visible, slots = piece, hi, piece.to(self.adapter.device)
+            layers = self.layers
+        mask = mask_by_index(seen, visible, self.adapter.dtype)
         return RidePiece(self, n, self.input_ids[piece], self.positions[:, piece], mask[None, None], layers, slots,
                          visible)
 
@@ -440,22 +439,31 @@ class RidePiece:
     slots: torch.Tensor | None
     visible: int
 
-    @contextlib.contextmanager
     def writing(self):
         """Slot layers write this piece's slots while the forward runs (as `forward_into_slots`)."""
-        if self.slots is not None:
-            for layer in self.layers:
-                layer.slots, layer.visible = self.slots, self.visible
-        try:
-            yield
-        finally:
-            if self.slots is not None:
-                for layer in self.layers:
-                    layer.slots = None
+        return contextlib.nullcontext() if self.slots is None else writing_slots(self.layers, self.slots, self.visible)
 
     def done(self, logits: torch.Tensor) -> bool:
         """Record the piece as run; `logits` [1, V] are its last token's. True once the forward is done."""
         return self.forward._rode(self.n, logits)
+
+
+def mask_by_index(index: torch.Tensor, visible: int, dtype: torch.dtype) -> torch.Tensor:
+    """[Q, visible] float mask (0 / -inf): query q sees the slots up to `index[q]`."""
+    mask = torch.zeros(index.numel(), visible, dtype=dtype)
+    return mask.masked_fill_(torch.arange(visible)[None, :] > index[:, None], float("-inf"))
+
+
+@contextlib.contextmanager
+def writing_slots(layers: list[SlotLayer], slots: torch.Tensor, visible: int):
+    """Inside the block an update of each slot layer writes `slots` and returns its first `visible`."""
+    for layer in layers:
+        layer.slots, layer.visible = slots, visible
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.slots = None
 
 
 def forward_into_slots(adapter: VLAdapter, cache: DynamicCache, layers: list[SlotLayer], input_ids: torch.Tensor,
@@ -465,16 +473,9 @@ def forward_into_slots(adapter: VLAdapter, cache: DynamicCache, layers: list[Slo
     KV goes into its slot of the preallocated `layers`; attention reads only the slots up to the
     last of them. Returns last-token logits [1, V]."""
     visible = int(index[-1]) + 1
-    mask = torch.zeros(index.numel(), visible, dtype=adapter.dtype)
-    mask.masked_fill_(torch.arange(visible)[None, :] > index[:, None], float("-inf"))
-    slots = index.to(adapter.device)
-    for layer in layers:
-        layer.slots, layer.visible = slots, visible
-    try:
+    mask = mask_by_index(index, visible, adapter.dtype)
+    with writing_slots(layers, index.to(adapter.device), visible):
         return adapter.forward(input_ids[index], positions[:, index], cache, features, attention_mask=mask[None, None])
-    finally:
-        for layer in layers:
-            layer.slots = None
 
 
 def prefill_full(adapter: VLAdapter, input_ids: torch.Tensor, positions: torch.Tensor,
