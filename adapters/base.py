@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from mmkv.adapters.cpu_linear import pack_linears
 from mmkv.errors import ModelLoadError, RopeNotComposableError
 from mmkv.kv.cascade import PREFIX_KWARG, shared_prefix_attention
 from mmkv.kv.packed import PACKED_KWARG, Packing, PackedLayer, packed_attention_for
@@ -329,7 +330,15 @@ class VLAdapter:
                 **{PACKED_KWARG: packing},
             )
         hidden, ends = out.last_hidden_state[0], torch.tensor([p.n for p in pieces]).cumsum(0) + b - 1
-        return self.model.lm_head(hidden[:b]).float(), list(self.model.lm_head(hidden[ends]).float().split(1))
+        logits = self.model.lm_head(torch.cat((hidden[:b], hidden[ends]))).float()  # the head's weights read once
+        return logits[:b], list(logits[b:].split(1))
+
+    def pack_linears(self, mode: str = "onednn") -> str:
+        """The language model's linear layers and an untied LM head on oneDNN with prepacked
+        weights on a CPU (adapters/cpu_linear.py; the vision tower stays as loaded). Returns the
+        backend in use, with the reason when it stays dense."""
+        lm = next(name for name, module in self.model.named_modules() if module is self.language_model)
+        return pack_linears(self.model, (f"{lm}.", "lm_head"), mode)
 
     def can_pack(self) -> bool:
         """Whether the model's attention can run inside a packed forward (mmkv.kv.packed)."""

@@ -178,6 +178,10 @@ def serve(
     background_mb: Annotated[float, typer.Option(envvar="MMKV_BACKGROUND_MB", min=0.0, help=(
         "Pending background builds of first-seen images: their visual features and the KV their builds will "
         "hold; a build beyond it is dropped and counted."))] = 256.0,
+    cpu_linear: Annotated[str, typer.Option(envvar="MMKV_CPU_LINEAR", help=(
+        "On a CPU: onednn (the language model's linear layers on oneDNN with weights prepacked once, "
+        "held once; few-row decode steps and short prefills much faster than MKL's) or dense (PyTorch's "
+        "nn.Linear). No effect on a GPU."))] = "onednn",
     device: Annotated[str | None, typer.Option(envvar="MMKV_DEVICE",
                                                help="cpu, cuda or cuda:N. Default: cuda when present.")] = None,
     dtype: Annotated[str | None, typer.Option(envvar="MMKV_DTYPE", help="float32, bfloat16 or float16. "
@@ -244,7 +248,8 @@ def serve(
                                                        "mooncake_buffer_bytes": mooncake_buffer_mb << 20},
                                         first_sight_in_context=first_sight_in_context,
                                         background_bytes=int(background_mb * (1 << 20)),
-                                        max_video_tokens_per_request=max_video_tokens_per_request)
+                                        max_video_tokens_per_request=max_video_tokens_per_request,
+                                        cpu_linear=cpu_linear)
         limits = ConnectionLimits(max_connections=max_connections, header_timeout_s=header_timeout_s,
                                   keep_alive_s=keep_alive_s, max_header_bytes=max_header_kb << 10,
                                   grace_s=shutdown_grace_s)
@@ -256,8 +261,9 @@ def serve(
                 "bundled sample model" if missing else "")
         typer.echo(f"mmkv serve: {getattr(exc, 'message', None) or exc}{hint}", err=True)
         raise typer.Exit(code=2) from None
-    log.info(f"loaded {engine.model_id} in {time.perf_counter() - t0:.1f}s",
-             extra={"model": engine.model_id, "load_s": round(time.perf_counter() - t0, 3)})
+    log.info(f"loaded {engine.model_id} in {time.perf_counter() - t0:.1f}s (linear layers: {engine.cpu_linear})",
+             extra={"model": engine.model_id, "load_s": round(time.perf_counter() - t0, 3),
+                    "cpu_linear": engine.cpu_linear})
     if engine.tiers is not None:  # the shared URL is logged without its credentials
         tiers = engine.tiers
         log.info(f"tiers: disk {tiers.root or 'off'}, shared {tiers.shared.url if tiers.shared else 'off'}",

@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from mmkv.adapters import ImageFeatures, VLAdapter, load_adapter
+from mmkv.adapters.cpu_linear import CPU_LINEAR
 from mmkv.store.fingerprint import model_fingerprint
 from mmkv.errors import InvalidRequestError, InvalidVideoError, ModelLoadError, PromptTooLongError
 from mmkv.hub import resolve_model
@@ -77,6 +78,9 @@ class EngineSettings:
     # precompiled (vision tower + isolated prefill) before the turn, as an upload is.
     first_sight_in_context: bool = True
     background_bytes: int = DEFAULT_BUDGET_BYTES  # pending background builds' features and KV in flight
+    # On a CPU, the language model's linear layers on oneDNN with prepacked weights (held once), or
+    # PyTorch's dense nn.Linear (mmkv.adapters.cpu_linear); no effect on a GPU.
+    cpu_linear: str = "onednn"
 
     def __post_init__(self):
         check_seam_tokens(self.seam_tokens)
@@ -90,6 +94,8 @@ class EngineSettings:
             raise InvalidRequestError("image_store_bytes must be >= 0", param="image_store_bytes")
         if self.background_bytes < 0:
             raise InvalidRequestError("background_bytes must be >= 0", param="background_bytes")
+        if self.cpu_linear not in CPU_LINEAR:
+            raise InvalidRequestError(f"cpu_linear must be one of {CPU_LINEAR}", param="cpu_linear")
         if self.max_video_tokens_per_request < 0:
             raise InvalidRequestError("max_video_tokens_per_request must be >= 0", param="max_video_tokens_per_request")
 
@@ -260,6 +266,8 @@ class Engine:
         self._counters = _Counters()
         # SHA-256: config, dtype, weights (file digests cached in the store), tokenizer, template, processor
         self.fingerprint = model_fingerprint(adapter, digest_cache=digest_cache_path(store))
+        # after the fingerprint: packed layers hash as their dense weights, but reading them back costs
+        self.cpu_linear = adapter.pack_linears(self.settings.cpu_linear)
         ip = adapter.processor.image_processor
         self.grid_settings = f"{ip.size}|patch={ip.patch_size}|merge={ip.merge_size}"
         # the request's stage before placement: template, tokens, positions (mmkv.request.plan)
@@ -739,6 +747,7 @@ class Engine:
         with self._lock:
             c, reg = self._counters, self.registry
             return {
+                "cpu_linear": self.cpu_linear,
                 "vision_tower_runs": reg.vision_tower_runs,
                 "image_cache_hits": self.cache.hits["image"],
                 "image_cache_misses": self.cache.misses["image"],

@@ -91,6 +91,12 @@ class _EngineStatsCollector:
             if key in stats:
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                 yield family(name, doc, value=float(stats[key]))
+        if "cpu_linear" in stats:
+            backend = GaugeMetricFamily("mmkv:linear_backend", "The language model's linear layers: onednn, dense, "
+                                        "or dense with the reason (--cpu-linear); 1 on the one in use.",
+                                        labels=["backend"])
+            backend.add_metric([str(stats["cpu_linear"])], 1.0)
+            yield backend
         if "image_cache_hits" in stats:  # the RAM tier's chunk lookups: images and skills
             stats = {**stats, "ram_hits": stats["image_cache_hits"] + stats.get("skill_cache_hits", 0),
                      "ram_misses": stats.get("image_cache_misses", 0) + stats.get("skill_cache_misses", 0)}

@@ -72,7 +72,9 @@ def test_answer_does_not_wait_and_the_write_lands(model_dir, tmp_path):
     try:
         hit = again.generate(inline(1), max_new_tokens=2)
         assert hit.vision_tower_runs == 0 and again.stats()["disk_hits"] == 1
-        torch.testing.assert_close(hit.first_logits, spliced.first_logits, atol=1e-6, rtol=0)
+        # the chunk's KV is the same; the 32 template tokens before it came from the prefix cache in
+        # `spliced` and from a forward of another length here: float32 rounding apart
+        torch.testing.assert_close(hit.first_logits, spliced.first_logits, atol=1e-5, rtol=0)
     finally:
         again.close()
 

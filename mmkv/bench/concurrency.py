@@ -427,6 +427,8 @@ def bench_concurrency_command(
     mix: Annotated[bool, typer.Option("--mix", help="--mode clients: each client sends requests about an image, "
                                                      "sampled with a seed, of mixed lengths and logit_bias.")] = False,
     image_tokens: Annotated[int, typer.Option(min=4, help="--mix: image tokens per picture (a square).")] = 1024,
+    cpu_linear: Annotated[str, typer.Option(help="The model's linear layers: onednn (the server's default) or "
+                                                 "dense (PyTorch's nn.Linear).")] = "onednn",
 ) -> None:
     """Aggregate tokens/s and TTFT for 1, 4 and 8 clients, batched vs serial, and a decoding
     stream's stall behind a long prefill, whole vs chunked; each in one run."""
@@ -452,8 +454,10 @@ def bench_concurrency_command(
                                  param_hint="--prefill-chunk")
     if mix and mode not in ("clients", "all"):
         raise typer.BadParameter("--mix changes the clients table: --mode clients or all", param_hint="--mix")
+    if cpu_linear not in ("onednn", "dense"):
+        raise typer.BadParameter("expected onednn or dense", param_hint="--cpu-linear")
     torch.set_num_threads(threads)
-    engine = build_engine(config, model_dir, "cpu", None, max(64, image_tokens) if mix else 64)
+    engine = build_engine(config, model_dir, "cpu", None, max(64, image_tokens) if mix else 64, cpu_linear)
     tables = []
     if mode in ("clients", "all") and mix:
         tables.append((f"{MIX_REQUESTS} requests per client back to back, each about a {image_tokens}-token image, "
@@ -474,7 +478,7 @@ def bench_concurrency_command(
                        "through the scheduler (no HTTP)", shared_table(engine, prompt_tokens, (8, 32), tokens, rounds)))
     for what, lines in tables:
         print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {threads} threads, "
-              f"model {model_dir or config} ({engine.adapter.num_layers} layers), {what}, "
+              f"model {model_dir or config} ({engine.adapter.num_layers} layers, linear layers {engine.cpu_linear}), {what}, "
               f"median of {rounds} rounds" + ("" if "no HTTP" in what else ", HTTP on loopback, clients in another process"))
         print("\n".join(lines))
 

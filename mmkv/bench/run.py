@@ -58,9 +58,11 @@ def _available_bytes(device: torch.device) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
 
 
-def build_engine(config: str, model_dir: Path | None, device: str, dtype: str | None, max_image_tokens: int):
+def build_engine(config: str, model_dir: Path | None, device: str, dtype: str | None, max_image_tokens: int,
+                 cpu_linear: str = "onednn"):
     """An Engine over a local checkpoint, or over a random model of a built-in config, built in
-    memory (nothing written). Refuses clearly when the weights would not fit the device."""
+    memory (nothing written), its CPU linear layers on `cpu_linear` (EngineSettings.cpu_linear).
+    Refuses clearly when the weights would not fit the device."""
     from transformers import AutoModelForImageTextToText
 
     from mmkv.adapters import adapter_class
@@ -72,7 +74,7 @@ def build_engine(config: str, model_dir: Path | None, device: str, dtype: str | 
         raise BenchError("--device cuda but no CUDA device is visible")
     max_pixels = max_image_tokens * 32 * 32 * 2  # room for the largest case at either patch size
     if model_dir is not None:
-        return Engine.from_pretrained(model_dir, dtype=dtype, device=device, max_pixels=max_pixels)
+        return Engine.from_pretrained(model_dir, dtype=dtype, device=device, max_pixels=max_pixels, cpu_linear=cpu_linear)
     if config not in CONFIGS:
         raise BenchError(f"unknown --config {config!r}; expected one of {', '.join(CONFIGS)}")
     family, text, vision = _configs()[config]
@@ -90,7 +92,8 @@ def build_engine(config: str, model_dir: Path | None, device: str, dtype: str | 
     model = AutoModelForImageTextToText.from_config(cfg, dtype=torch_dtype, attn_implementation="sdpa").to(dev)
     processor = build_processor(family, tokenizer, min_pixels=56 * 56, max_pixels=max_pixels)
     adapter = adapter_class(cfg.model_type)(model, processor)
-    return Engine(adapter, EngineSettings(seam_tokens=SEAM, cache_bytes=8 << 30), model_id=f"random-{config}")
+    return Engine(adapter, EngineSettings(seam_tokens=SEAM, cache_bytes=8 << 30, cpu_linear=cpu_linear),
+                  model_id=f"random-{config}")
 
 
 # ---- measuring --------------------------------------------------------------------------------------

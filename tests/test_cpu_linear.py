@@ -1,0 +1,195 @@
+"""The language model's linear layers on oneDNN with prepacked weights (mmkv.adapters.cpu_linear).
+
+Oracle: the same checkpoint loaded with `cpu_linear="dense"` (PyTorch's nn.Linear, MKL), and
+transformers' own forward over it: logits and KV within TOL (float32 products summed in another
+order), greedy tokens identical. The packed model keeps its weights once and gives them back
+bit for bit (state_dict, fingerprint); a layer oneDNN cannot reproduce, a tied head, another dtype
+stay dense and the engine says so."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mmkv import Engine, EngineSettings
+from mmkv.adapters.cpu_linear import OneDNNLinear, onednn_available, pack_linears
+from mmkv.errors import InvalidRequestError
+from mmkv.request.batch import DecodeBatch
+
+from conftest import make_png
+
+TOL = 1e-5
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, tiny_dirs):
+    load = dict(dtype=torch.float32, device="cpu")
+    return (Engine.from_pretrained(tiny_dirs[request.param], **load),
+            Engine.from_pretrained(tiny_dirs[request.param], cpu_linear="dense", **load))
+
+
+def _chat(engine, text: str) -> list[dict]:
+    image = {"type": "image_file", "image_file": {"file_id": engine.add_image(make_png(84, 56, seed=5))}}
+    return [{"role": "user", "content": [image, {"type": "text", "text": text}]}]
+
+
+def test_every_language_model_linear_is_packed_and_nothing_else(pair):
+    packed, dense = pair
+    assert packed.cpu_linear == "onednn" and packed.stats()["cpu_linear"] == "onednn"
+    assert dense.cpu_linear == "dense" and dense.stats()["cpu_linear"] == "dense"
+    lm = packed.adapter.language_model
+    linears = [n for n, m in dense.adapter.language_model.named_modules() if isinstance(m, nn.Linear)]
+    assert linears and all(isinstance(lm.get_submodule(n), OneDNNLinear) for n in linears)
+    assert isinstance(packed.adapter.model.lm_head, OneDNNLinear)  # the tiny models' head is untied
+    vision = packed.adapter.model.model.visual
+    assert not any(isinstance(m, OneDNNLinear) for m in vision.modules())  # the vision tower as loaded
+
+
+def test_weights_kept_once_and_given_back_bit_for_bit(pair):
+    packed, dense = pair
+    assert packed.fingerprint == dense.fingerprint
+    a, b = packed.adapter.model.state_dict(), dense.adapter.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the dense weight of a packed layer is gone: the model holds its linear weights once
+    held = {p.data_ptr() for p in packed.adapter.model.parameters()}
+    q = packed.adapter.language_model.layers[0].self_attn.q_proj
+    assert isinstance(q, OneDNNLinear) and not any(n.endswith("q_proj.weight") for n, _ in
+                                                   packed.adapter.model.named_parameters())
+    assert q.weight.data_ptr() not in held
+
+
+def test_transformers_forward_matches_dense(pair):
+    packed, dense = pair
+    ids = torch.tensor([[5, 17, 42, 8, 99, 3, 61, 12]])
+    with torch.no_grad():
+        got, want = (e.adapter.model(input_ids=ids, use_cache=True) for e in (packed, dense))
+    assert (got.logits - want.logits).abs().max().item() < TOL * max(1.0, want.logits.abs().max().item())
+    for lg, lw in zip(got.past_key_values.layers, want.past_key_values.layers):
+        assert (lg.keys - lw.keys).abs().max().item() < TOL * max(1.0, lw.keys.abs().max().item())
+
+
+def test_a_chat_with_an_image_answers_as_dense(pair):
+    packed, dense = pair
+    kw = dict(max_new_tokens=6, logprobs=True)
+    got, want = (e.generate(_chat(e, "what shape is it ?"), **kw) for e in (packed, dense))
+    assert got.token_ids == want.token_ids
+    assert max(abs(g.logprob - w.logprob) for g, w in zip(got.logprobs, want.logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_batched_decode_step_matches_dense(pair, rows):
+    """A few rows are where MKL's kernels are slow and oneDNN's are used instead."""
+    steps = []
+    for engine in pair:
+        batch = DecodeBatch(engine.adapter, max_rows=4)
+        for r in range(rows):
+            run = engine.start(_chat(engine, f"question {r} : what is it ?"), max_new_tokens=4)
+            with engine._lock:
+                run.prefill(None)
+            batch.add(run.cache)
+        steps.append(batch.step([7] * rows, [batch.length + 3] * rows))
+    got, want = steps
+    assert got.shape == want.shape == (rows, want.shape[1])
+    assert (got - want).abs().max().item() < TOL * max(1.0, want.abs().max().item())
+
+
+def test_bad_setting_is_refused():
+    with pytest.raises(InvalidRequestError) as err:
+        EngineSettings(cpu_linear="mkl")
+    assert err.value.param == "cpu_linear"
+
+
+def _toy(tied: bool = False, dtype=torch.float32) -> nn.Module:
+    model = nn.Module()
+    model.embed = nn.Embedding(50, 16)
+    model.body = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 16, bias=False))
+    model.lm_head = nn.Linear(16, 50, bias=False)
+    if tied:
+        model.lm_head.weight = model.embed.weight
+    return model.to(dtype)
+
+
+def test_a_tied_head_stays_dense():
+    model = _toy(tied=True)
+    assert pack_linears(model, ("body.", "lm_head")) == "onednn (2 of 3 layers; the rest dense)"
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.embed.weight
+    assert all(isinstance(m, OneDNNLinear) for m in model.body)
+
+
+def test_other_dtypes_stay_dense():
+    model = _toy(dtype=torch.bfloat16)
+    assert pack_linears(model, ("body.", "lm_head")).startswith("dense: ")
+    assert not any(isinstance(m, OneDNNLinear) for m in model.modules())
+
+
+def test_a_layer_onednn_gets_wrong_stays_dense(monkeypatch, caplog):
+    """The packing checks each layer's product against the dense one before it keeps it."""
+    ops = torch.ops.mkldnn
+    real = ops._reorder_linear_weight
+
+    class Ops:  # the namespace with a reorder that corrupts the second layer's weight
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        @staticmethod
+        def _reorder_linear_weight(weight, batch):
+            return real(weight * 1.01 if weight.shape == (16, 24) else weight, batch)
+
+    import mmkv.adapters.cpu_linear as cpu_linear
+
+    monkeypatch.setattr(cpu_linear.torch.ops, "mkldnn", Ops(), raising=True)
+    model = _toy()
+    x = torch.randn(3, 16)
+    want = model.lm_head(model.body(x))
+    assert pack_linears(model, ("body.", "lm_head")) == "onednn (2 of 3 layers; the rest dense)"
+    assert type(model.body[1]) is nn.Linear and isinstance(model.body[0], OneDNNLinear)
+    assert "stays dense" in caplog.text
+    monkeypatch.undo()
+    assert (model.lm_head(model.body(x)) - want).abs().max().item() < 1e-5
+
+
+def test_packed_layer_edges():
+    model = _toy()
+    x = torch.randn(2, 5, 16)
+    want = model.lm_head(model.body(x))
+    pack_linears(model, ("body.", "lm_head"))
+    assert pack_linears(model, ("body.", "lm_head")) == "onednn"  # packing twice changes nothing
+    assert (model.lm_head(model.body(x)) - want).abs().max().item() < 1e-5  # 3-D input
+    assert model.body(torch.randn(0, 16)).shape == (0, 16)  # no rows
+    twin = copy.deepcopy(model)
+    assert torch.equal(twin.lm_head(twin.body(x)), model.lm_head(model.body(x)))
+    assert pack_linears(_toy(), ("body.",), "dense") == "dense"
+    with pytest.raises(ValueError):
+        pack_linears(_toy(), ("body.",), "mkl")
+
+
+def test_metrics_and_the_serve_flag_name_the_backend(pair, monkeypatch):
+    from typer.testing import CliRunner
+
+    import mmkv.engine
+    from mmkv.cli import app
+    from mmkv.server.app import ServerSettings, create_app
+    from test_server import LiveServer
+
+    packed, dense = pair
+    for engine, want in ((packed, "onednn"), (dense, "dense")):
+        live = LiveServer(create_app(engine, ServerSettings()))
+        try:
+            assert live.metrics()[f'mmkv:linear_backend{{backend="{want}"}}'] == 1.0
+        finally:
+            live.close()
+    seen = {}
+
+    def stop(*args, **kw):  # the flag reaches the engine; nothing is served
+        seen.update(kw)
+        raise mmkv.errors.ModelLoadError("stopped by the test")
+
+    monkeypatch.setattr(mmkv.engine.Engine, "from_pretrained", stop)
+    result = CliRunner().invoke(app, ["serve", "--cpu-linear", "dense"])
+    assert result.exit_code == 2 and seen["cpu_linear"] == "dense"
