@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mmkv import Engine, InvalidRequestError
-from mmkv.request.sampling import Sampler, SamplingParams
+from mmkv.request.sampling import Sampler, SamplingParams, draw, nucleus
 
 MSGS = [{"role": "user", "content": "say something about the red square"}]
 
@@ -191,3 +191,43 @@ def test_extreme_valid_values_answer(engine):
                         logprobs=True, top_logprobs=20, stop=["z" * 256] * 4)
     assert len(r.logprobs) == len(r.token_ids) and all(len(lp.top_logprobs) == 20 for lp in r.logprobs)
     assert all(math.isfinite(lp.logprob) for lp in r.logprobs)
+
+
+# ---- the draw and the nucleus (mmkv.request.sampling.draw / nucleus) ---------------------------
+
+def test_draw_follows_the_probabilities_and_never_a_zero():
+    """200k seeded draws: each index's frequency within 0.005 of its probability (5 standard
+    deviations at most), a zero-probability index never; the same seed draws the same sequence."""
+    probs = torch.tensor([0.1, 0.0, 0.2, 0.3, 0.0, 0.4])
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(6)
+    for _ in range(200_000):
+        counts[draw(probs, g)] += 1
+    assert counts[1] == counts[4] == 0
+    assert (counts / 200_000 - probs).abs().max() < 0.005
+    a, b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert [draw(probs, a) for _ in range(50)] == [draw(probs, b) for _ in range(50)]
+    a, b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert [draw(probs * 3.0, a) for _ in range(50)] == [draw(probs, b) for _ in range(50)]  # any total
+
+
+def test_draw_at_the_top_of_the_range_takes_the_last_index_with_mass(monkeypatch):
+    probs = torch.tensor([0.25, 0.75, 0.0, 0.0])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
+    assert draw(probs, None) == 1
+
+
+@pytest.mark.parametrize("spread", [0.5, 3.0, 12.0, 0.0])  # flat (0.0: all equal) to peaked
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_nucleus_is_the_full_sort_rule(spread, top_p):
+    """The top-k tries give the same set as sorting the whole vocabulary (ties aside: none here
+    but the all-equal case, compared by size)."""
+    g = torch.Generator().manual_seed(int(spread * 10))
+    probs = torch.softmax(torch.randn(40_000, generator=g) * spread, dim=-1)
+    values, ids = nucleus(probs, top_p)
+    sorted_probs, order = torch.sort(probs, descending=True)
+    keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+    assert values.numel() == int(keep.sum()) >= 1
+    assert torch.equal(values, probs[ids]) and bool((values[:-1] >= values[1:]).all())
+    if spread:
+        assert set(ids.tolist()) == set(order[keep].tolist())

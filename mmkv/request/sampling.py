@@ -137,12 +137,11 @@ class Sampler:
         if p.top_k and p.top_k < x.numel():
             kth = torch.topk(x, p.top_k).values[-1]
             x = x.masked_fill(x < kth, -math.inf)
-        probs = torch.softmax(x, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < p.top_p  # always keeps the top token
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
+        probs = torch.softmax(x, dim=-1).cpu()
+        if p.top_p >= 1.0:
+            return draw(probs, self.generator)
+        kept, ids = nucleus(probs, p.top_p)
+        return int(ids[draw(kept, self.generator)])
 
     def step(self, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Choose the next token; returns it and the processed logits it was chosen from."""
@@ -150,6 +149,40 @@ class Sampler:
         token = self.choose(x)
         self.counts[token] += 1
         return token, x
+
+
+NUCLEUS_TRIES = (512, 16384)  # top-p looks among this many most likely tokens, then sorts all
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest set of most likely tokens whose mass reaches `top_p` (a token is kept while the
+    mass before it is under top_p; the most likely always): (their probabilities, their ids), most
+    likely first. The top k by `topk` (k in NUCLEUS_TRIES) settle it once they hold top_p: the
+    same set as a full sort (a token past them has at least their mass before it) at a fraction of
+    its 12 ms over a 152k vocabulary on a CPU."""
+    n = probs.numel()
+    for k in NUCLEUS_TRIES:
+        if k < n:
+            values, order = torch.topk(probs, k)
+            if float(values.sum()) >= top_p:
+                break
+    else:
+        values, order = torch.sort(probs, descending=True)
+    keep = torch.cumsum(values, dim=-1) - values < top_p  # always keeps the top token
+    return values[keep], order[keep]
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One index drawn with probability proportional to `probs` [N] (CPU, >= 0, some > 0): one
+    uniform from `generator` (None: torch's global one) against the float64 cumulative sum, the
+    first index whose running total exceeds it. A zero-probability index is never drawn. Costs a
+    cumulative sum, not `torch.multinomial`'s 3 ms per row at a 152k vocabulary on a CPU."""
+    cdf = torch.cumsum(probs.double(), dim=0)
+    u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))
+    if i >= probs.numel():  # u rounded up to the total: the last index with mass
+        i = int(torch.nonzero(probs > 0)[-1])
+    return i
 
 
 def logprobs_of(x: torch.Tensor, token: int, top: int, text_of) -> TokenLogprob:
