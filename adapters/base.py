@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from mmkv.adapters.cpu_linear import pack_linears
+from mmkv.adapters.cpu_kernels import gqa_without_copies, pack_linears
 from mmkv.errors import ModelLoadError, RopeNotComposableError
 from mmkv.kv.cascade import PREFIX_KWARG, shared_prefix_attention
 from mmkv.kv.packed import PACKED_KWARG, Packing, PackedLayer, packed_attention_for
@@ -134,6 +134,7 @@ class VLAdapter:
         self.merge_size = self.config.vision_config.spatial_merge_size
         self.language_model = model.model.language_model
         self.rope = self._rope_layout()
+        gqa_without_copies()  # on a CPU, SDPA takes the query groups as they are (adapters/cpu_kernels.py)
 
     # ---- rope ---------------------------------------------------------------------------
     def _rope_layout(self) -> RopeLayout:
@@ -335,7 +336,7 @@ class VLAdapter:
 
     def pack_linears(self, mode: str = "onednn") -> str:
         """The language model's linear layers and an untied LM head on oneDNN with prepacked
-        weights on a CPU (adapters/cpu_linear.py; the vision tower stays as loaded). Returns the
+        weights on a CPU (adapters/cpu_kernels.py; the vision tower stays as loaded). Returns the
         backend in use, with the reason when it stays dense."""
         lm = next(name for name, module in self.model.named_modules() if module is self.language_model)
         return pack_linears(self.model, (f"{lm}.", "lm_head"), mode)

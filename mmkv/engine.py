@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from mmkv.adapters import ImageFeatures, VLAdapter, load_adapter
-from mmkv.adapters.cpu_linear import CPU_LINEAR
+from mmkv.adapters.cpu_kernels import CPU_LINEAR
 from mmkv.store.fingerprint import model_fingerprint
 from mmkv.errors import InvalidRequestError, InvalidVideoError, ModelLoadError, PromptTooLongError
 from mmkv.hub import resolve_model
@@ -79,7 +79,7 @@ class EngineSettings:
     first_sight_in_context: bool = True
     background_bytes: int = DEFAULT_BUDGET_BYTES  # pending background builds' features and KV in flight
     # On a CPU, the language model's linear layers on oneDNN with prepacked weights (held once), or
-    # PyTorch's dense nn.Linear (mmkv.adapters.cpu_linear); no effect on a GPU.
+    # PyTorch's dense nn.Linear (mmkv.adapters.cpu_kernels); no effect on a GPU.
     cpu_linear: str = "onednn"
 
     def __post_init__(self):

@@ -63,7 +63,8 @@ def format_header(h: dict) -> str:
     return (f"# mmkv bench | {h['machine']} | {h['device']}, torch threads {h['threads']}, OMP_WAIT_POLICY "
             f"{h['omp_wait_policy']} | python "
             f"{h['versions']['python']}, torch {h['versions']['torch']}, transformers {h['versions']['transformers']}\n"
-            f"# model {m['id']} ({m['family']}, {m['params_m']}M params, {m['dtype']}): LM {m['lm']}; vision "
+            f"# model {m['id']} ({m['family']}, {m['params_m']}M params, {m['dtype']}, linear layers "
+            f"{m.get('linear', 'dense')}): LM {m['lm']}; vision "
             f"{m['vision']} | medians of {h['repeats']} rounds, arms interleaved; ratios from CPU time")
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
+from mmkv.adapters.cpu_kernels import parameter_count
 from mmkv.bench import CONFIGS
 
 FAST_SAMPLES = 5  # per round, for the arms that compute only the new tokens
@@ -959,7 +960,7 @@ def header(engine, threads: int, repeats: int) -> dict:
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "model": {"id": engine.model_id, "family": ad.family, "dtype": str(ad.dtype).removeprefix("torch."),
-                  "params_m": round(sum(p.numel() for p in ad.model.parameters()) / 1e6, 1),
+                  "params_m": round(parameter_count(ad.model) / 1e6, 1), "linear": engine.cpu_linear,
                   "lm": f"{t.num_hidden_layers} x {t.hidden_size}, {t.num_attention_heads} heads / "
                         f"{t.num_key_value_heads} KV, head_dim {getattr(t, 'head_dim', None) or t.hidden_size // t.num_attention_heads}, "
                         f"mrope {(t.rope_parameters or {}).get('mrope_section')}",

@@ -1,18 +1,24 @@
-"""The language model's linear layers on a CPU through oneDNN with prepacked weights, shared by
-every family.
+"""The language model's CPU paths, shared by every family: linear layers on oneDNN with
+prepacked weights, and grouped-query attention without copies of the keys and values.
 
-PyTorch's `nn.Linear` on a CPU calls MKL's sgemm, whose kernels for a few rows are poor on some
-CPUs: on a 2-core AMD EPYC a decode step of 2 to 8 rows cost 1.8x to 2.3x one row's, where the
-weights are read once either way. oneDNN with the weight reordered once for its kernels (what
-PyTorch's own inductor does for frozen CPU models) keeps a few rows at one row's cost and runs a
-prefill of 40 tokens in half the time (mmkv bench-concurrency; docs/bench.md).
+Linear layers. PyTorch's `nn.Linear` on a CPU calls MKL's sgemm, whose kernels for a few rows are
+poor on some CPUs: on a 2-core AMD EPYC a decode step of 2 to 8 rows cost 1.8x to 2.3x one row's,
+where the weights are read once either way. oneDNN with the weight reordered once for its kernels
+(what PyTorch's own inductor does for frozen CPU models) keeps a few rows at one row's cost and
+runs a prefill of 40 tokens in 0.8x the time (mmkv bench-concurrency; docs/bench.md). Each packed
+layer holds its weight once, in oneDNN's layout: no second copy. `state_dict` and `weight` give
+the dense weight back (so the model's fingerprint, and saving, are unchanged). Layers whose weight
+is shared with another module (a tied LM head) stay dense. Each layer is checked at packing
+against the dense product (`CHECK_TOLERANCE`); a layer that differs, a dtype other than float32, a
+non-CPU device or a PyTorch without oneDNN leaves the layer dense, and `pack_linears` says what it
+did.
 
-Each packed layer holds its weight once, in oneDNN's layout: no second copy. `state_dict` and
-`weight` give the dense weight back (so the model's fingerprint, and saving, are unchanged).
-Layers whose weight is shared with another module (a tied LM head) stay dense. Each layer is
-checked at packing against the dense product (`CHECK_TOLERANCE`); a layer that differs, a dtype
-other than float32, a non-CPU device or a PyTorch without oneDNN leaves the layer dense, and
-`pack_linears` says what it did.
+Attention. transformers' SDPA path repeats each key and value head for its query group
+(`repeat_kv`, a copy of the whole context per layer) whenever a mask is given, because CUDA's
+fused kernels take grouped-query attention only without one; every prefill of mmkv passes a mask.
+PyTorch's CPU kernels take `enable_gqa` with a mask and give the same result bit for bit, so
+`gqa_without_copies` makes transformers' choice say yes for CPU tensors (other devices keep its
+rule): a 38-token turn over a 3.4k-token context costs 0.82x.
 """
 
 from __future__ import annotations
@@ -80,6 +86,13 @@ class OneDNNLinear(nn.Module):
                 f"{'onednn' if self.packed is not None else 'dense'}")
 
 
+def parameter_count(model: nn.Module) -> int:
+    """The model's weights, packed layers' included (their weights are no longer parameters)."""
+    packed = sum(m.weight.numel() if m.packed is None else m.packed.numel()
+                 for m in model.modules() if isinstance(m, OneDNNLinear))
+    return sum(p.numel() for p in model.parameters()) + packed
+
+
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -131,3 +144,23 @@ def pack_linears(model: nn.Module, prefixes: tuple[str, ...], mode: str = "onedn
     if kept == len(linears) and not already:
         return "dense: no layer could be packed (float32 weights, not tied)"
     return "onednn" if not kept else f"onednn ({total - kept} of {total} layers; the rest dense)"
+
+
+def gqa_without_copies() -> bool:
+    """Make transformers' SDPA attention pass `enable_gqa` for CPU tensors instead of repeating
+    the key and value heads (module docstring); idempotent. False when this transformers has no
+    such choice to make (its SDPA path then stays as it is)."""
+    from transformers.integrations import sdpa_attention
+
+    rule = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
+    if rule is None:
+        return False
+    if getattr(rule, "mmkv_cpu", False):
+        return True
+
+    def use_gqa_in_sdpa(attention_mask, key, value):
+        return key.device.type == "cpu" or rule(attention_mask, key, value)
+
+    use_gqa_in_sdpa.mmkv_cpu, use_gqa_in_sdpa.transformers_rule = True, rule
+    sdpa_attention.use_gqa_in_sdpa = use_gqa_in_sdpa
+    return True

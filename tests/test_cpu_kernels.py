@@ -1,4 +1,4 @@
-"""The language model's linear layers on oneDNN with prepacked weights (mmkv.adapters.cpu_linear).
+"""The language model's linear layers on oneDNN with prepacked weights (mmkv.adapters.cpu_kernels).
 
 Oracle: the same checkpoint loaded with `cpu_linear="dense"` (PyTorch's nn.Linear, MKL), and
 transformers' own forward over it: logits and KV within TOL (float32 products summed in another
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from mmkv import Engine, EngineSettings
-from mmkv.adapters.cpu_linear import OneDNNLinear, onednn_available, pack_linears
+from mmkv.adapters.cpu_kernels import OneDNNLinear, onednn_available, pack_linears
 from mmkv.errors import InvalidRequestError
 from mmkv.request.batch import DecodeBatch
 
@@ -141,9 +141,9 @@ def test_a_layer_onednn_gets_wrong_stays_dense(monkeypatch, caplog):
         def _reorder_linear_weight(weight, batch):
             return real(weight * 1.01 if weight.shape == (16, 24) else weight, batch)
 
-    import mmkv.adapters.cpu_linear as cpu_linear
+    import mmkv.adapters.cpu_kernels as cpu_kernels
 
-    monkeypatch.setattr(cpu_linear.torch.ops, "mkldnn", Ops(), raising=True)
+    monkeypatch.setattr(cpu_kernels.torch.ops, "mkldnn", Ops(), raising=True)
     model = _toy()
     x = torch.randn(3, 16)
     want = model.lm_head(model.body(x))
@@ -193,3 +193,48 @@ def test_metrics_and_the_serve_flag_name_the_backend(pair, monkeypatch):
     monkeypatch.setattr(mmkv.engine.Engine, "from_pretrained", stop)
     result = CliRunner().invoke(app, ["serve", "--cpu-linear", "dense"])
     assert result.exit_code == 2 and seen["cpu_linear"] == "dense"
+
+
+# ---- grouped-query attention without copies (gqa_without_copies) ------------------------------
+
+def test_cpu_attention_takes_the_groups_as_they_are_bit_for_bit(pair, monkeypatch):
+    """A masked prefill (every mmkv prefill passes a 4D mask) on the CPU goes through SDPA with
+    `enable_gqa` instead of transformers' repeat_kv copies: the same logits and KV bit for bit."""
+    from transformers.integrations import sdpa_attention
+
+    packed, _ = pair
+    ad = packed.adapter
+    rule = sdpa_attention.use_gqa_in_sdpa
+    assert rule.mmkv_cpu and ad.text_config.num_attention_heads > ad.text_config.num_key_value_heads
+    ids = torch.tensor(ad.tokenizer("describe the red square in the picture please")["input_ids"])
+    positions = torch.arange(ids.numel()).view(1, -1).expand(3, -1)
+    mask = torch.full((ids.numel(), ids.numel()), float("-inf")).triu(1)[None, None]
+    calls = []
+
+    def run():
+        cache = ad.new_cache()
+        logits = ad.forward(ids, positions, cache, attention_mask=mask, all_logits=True)
+        return logits, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: calls.append(n) or x.repeat_interleave(n, dim=1))
+    fast = run()
+    assert calls == []  # no copy of the keys and values
+    monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", rule.transformers_rule)
+    slow = run()
+    assert calls  # transformers' own rule repeats them
+    assert torch.equal(fast[0], slow[0])
+    assert all(torch.equal(a, b) for (ka, va), (kb, vb) in zip(fast[1], slow[1]) for a, b in ((ka, kb), (va, vb)))
+
+
+def test_other_devices_keep_transformers_rule():
+    from transformers.integrations import sdpa_attention
+
+    from mmkv.adapters.cpu_kernels import gqa_without_copies
+
+    assert gqa_without_copies() and gqa_without_copies()  # idempotent
+    rule = sdpa_attention.use_gqa_in_sdpa
+    assert rule.transformers_rule is not rule and not getattr(rule.transformers_rule, "mmkv_cpu", False)
+    key = torch.empty(1, 2, 8, 16, device="meta")
+    for mask in (None, torch.empty(1, 1, 4, 8, device="meta")):
+        assert rule(mask, key, key) == rule.transformers_rule(mask, key, key)
+    assert rule(torch.zeros(1, 1, 4, 8), torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 16))
