@@ -240,17 +240,34 @@ def test_slot_pool_makes_room_by_dropping_free_buffers_of_other_sizes():
     from mmkv.request.splice import SlotPool
 
     f32, cpu = torch.float32, torch.device("cpu")
-    pool = SlotPool(budget=4 * 4000)  # room for 4000 float32 elements
-    alive = pool.take(1000, f32, cpu)  # kept and still in use
-    for n in (2100, 400):  # kept, released at once
+    pool = SlotPool(budget=4 * 5000)  # room for 5000 float32 elements; kept buffers get 1.25x room
+    alive = pool.take(800, f32, cpu)  # kept (1000) and still in use
+    for n in (2000, 400):  # kept (2500, 500), released at once
         pool.take(n, f32, cpu)
-    assert pool.nbytes == (1000 + 2100 + 400) * 4
-    big = pool.take(3500, f32, cpu)  # fits no kept buffer: the free ones go, the one in use stays
-    assert big.numel() == 3500 and pool.nbytes == 1000 * 4  # (3500 more would exceed the budget)
-    assert alive.numel() == 1000
+    assert pool.nbytes == (1000 + 2500 + 500) * 4
+    big = pool.take(3500, f32, cpu)  # fits no kept buffer: free ones go until it fits, the one in use stays
+    assert big.numel() == 3500 and pool.nbytes == (1000 + 500 + 3500) * 4  # no room for 1.25x: exact
+    assert alive.numel() == 800
+    ptr = big.untyped_storage().data_ptr()
     del big
-    small = pool.take(2500, f32, cpu)  # now there is room: kept
-    ptr = small.untyped_storage().data_ptr()
-    del small
-    again = pool.take(2000, f32, cpu)  # the free 2500 buffer fits and is handed out again
-    assert again.untyped_storage().data_ptr() == ptr and pool.nbytes == (1000 + 2500) * 4
+    again = pool.take(2000, f32, cpu)  # the free 3500 buffer fits and is handed out again
+    assert again.untyped_storage().data_ptr() == ptr and pool.nbytes == (1000 + 500 + 3500) * 4
+
+
+def test_slot_pool_gives_a_growing_conversation_its_buffer_again():
+    """A kept buffer has 1.25x the room asked for, so the next turn's longer prompt reuses it
+    (its pages mapped already) instead of faulting in a fresh one."""
+    from mmkv.request.splice import POOL_GROWTH, SlotPool
+
+    f32, cpu = torch.float32, torch.device("cpu")
+    pool = SlotPool(budget=1 << 20)
+    turn = pool.take(10_000, f32, cpu)
+    ptr = turn.untyped_storage().data_ptr()
+    assert turn.numel() == 10_000 and pool.nbytes == int(10_000 * POOL_GROWTH) * 4
+    del turn
+    for n in (11_000, 12_500):  # two longer turns, one after the other
+        turn = pool.take(n, f32, cpu)
+        assert turn.numel() == n and turn.untyped_storage().data_ptr() == ptr
+        del turn
+    longer = pool.take(12_501, f32, cpu)  # past the room: a new buffer
+    assert longer.untyped_storage().data_ptr() != ptr

@@ -155,6 +155,7 @@ def splice_layout(placements: list[Placement], total: int, start: int, seam_toke
 
 
 POOL_BYTES = 256 << 20  # prompt-length KV buffers the pool keeps, in use and free together
+POOL_GROWTH = 1.25  # a fresh kept buffer's room over its request: a conversation's next, longer turn fits it
 
 
 class SlotPool:
@@ -162,9 +163,12 @@ class SlotPool:
     costs a page fault on the first write to each of its pages (about as long as the splice copy
     itself), a reused one does not. A buffer is handed out again only when nothing but the pool
     holds its storage: no cache layer, view or slice of an earlier request is alive (its request's
-    cache was released), so two live requests never share one. At most `budget` bytes are kept,
-    buffers in use included; beyond that, or on another device, buffers are allocated fresh and
-    not kept. Thread-safe."""
+    cache was released), so two live requests never share one. A kept buffer is allocated with
+    `POOL_GROWTH` times the room asked for (the budget allowing; pages never written are never
+    mapped), so the next turn of a conversation, a few hundred tokens longer, reuses it instead of
+    faulting in a fresh one (13k page faults, 23 ms, for a 3.3k-token prompt of the bench model).
+    At most `budget` bytes are kept, buffers in use included; beyond that, or on another device,
+    buffers are allocated fresh and not kept. Thread-safe."""
 
     def __init__(self, budget: int = POOL_BYTES):
         self.budget = budget
@@ -198,8 +202,10 @@ class SlotPool:
                     break
                 if self._free(*entry):  # (by identity: == on tuples of tensors compares their elements)
                     self._kept = [e for e in self._kept if e is not entry]
-            buf = torch.empty(numel, dtype=dtype, device=device)
-            if self.nbytes + need <= self.budget:
+            grown = int(numel * POOL_GROWTH)
+            size = grown if self.nbytes + grown * dtype.itemsize <= self.budget else numel
+            buf = torch.empty(size, dtype=dtype, device=device)
+            if self.nbytes + size * dtype.itemsize <= self.budget:
                 self._kept.append((buf, self._uses(buf)))
             return buf[:numel]
 
