@@ -118,8 +118,10 @@ def pack_linears(model: nn.Module, prefixes: tuple[str, ...], mode: str = "onedn
     mine = [(name, m) for name, m in model.named_modules() if name.startswith(prefixes)]
     already = sum(isinstance(m, OneDNNLinear) and m.packed is not None for _, m in mine)
     linears = [(name, m) for name, m in mine if type(m) is nn.Linear]
+    if already and (mode == "dense" or not linears):  # an earlier engine on this model packed them
+        return "onednn" if not linears else f"onednn ({already} of {already + len(linears)} layers; the rest dense)"
     if mode == "dense" or not linears:
-        return "onednn" if already and not linears else "dense" if mode == "dense" else "dense: no linear layer"
+        return "dense" if mode == "dense" else "dense: no linear layer"
     if linears[0][1].weight.device.type != "cpu":
         return "dense: not a CPU model"
     if not onednn_available():

@@ -165,6 +165,7 @@ def test_packed_layer_edges():
     twin = copy.deepcopy(model)
     assert torch.equal(twin.lm_head(twin.body(x)), model.lm_head(model.body(x)))
     assert pack_linears(_toy(), ("body.",), "dense") == "dense"
+    assert pack_linears(model, ("body.", "lm_head"), "dense") == "onednn"  # packed earlier: says so
     with pytest.raises(ValueError):
         pack_linears(_toy(), ("body.",), "mkl")
 
