@@ -374,9 +374,7 @@ class ChunkedForward:
         if max_tokens is not None and max_tokens < 1:
             raise ValueError("a prefill piece must have at least one token")
         if self.remaining:
-            n = self.remaining if max_tokens is None else min(max_tokens, self.remaining)
-            piece = self.index[self.done:self.done + n]
-            lo, hi = int(piece[0]), int(piece[-1]) + 1
+            n, piece, lo, hi = self._next(self.remaining if max_tokens is None else max_tokens)
             if self.layers is None:
                 past = self.cache.get_seq_length()
                 try:
@@ -388,11 +386,22 @@ class ChunkedForward:
             else:  # a piece cut short leaves only its own slots written, rewritten when it runs again
                 logits = forward_into_slots(self.adapter, self.cache, self.layers, self.input_ids, self.positions,
                                             piece, self.features(lo, hi))
-            self.done += n
-            if not self.remaining:
-                self.logits = logits
-        return not self.remaining
+            return self._ran(n, logits)
+        return True
 
+    def _next(self, max_tokens: int) -> tuple[int, torch.Tensor, int, int]:
+        """The next min(max_tokens, remaining) tokens: (n, their prompt indices, lo, hi) with
+        [lo, hi) the prompt range they span."""
+        n = min(max_tokens, self.remaining)
+        piece = self.index[self.done:self.done + n]
+        return n, piece, int(piece[0]), int(piece[-1]) + 1
+
+    def _ran(self, n: int, logits: torch.Tensor) -> bool:
+        """The next `n` tokens ran, `logits` [1, V] of the last; True once every token ran."""
+        self.done += n
+        if not self.remaining:
+            self.logits = logits
+        return not self.remaining
 
     def ride(self, max_tokens: int) -> RidePiece | None:
         """The next min(max_tokens, remaining) tokens as a piece for the decode step's forward to run
@@ -400,9 +409,7 @@ class ChunkedForward:
         features, deepstack), or nothing is left. `RidePiece.done(logits)` records it as run."""
         if not self.remaining or max_tokens < 1:
             return None
-        n = min(max_tokens, self.remaining)
-        piece = self.index[self.done:self.done + n]
-        lo, hi = int(piece[0]), int(piece[-1]) + 1
+        n, piece, lo, hi = self._next(max_tokens)
         if self.features(lo, hi) is not None or bool(self.adapter.visual_mask(self.input_ids[piece]).any()):
             return None
         if self.layers is None:  # appended after the cache, causal
@@ -415,12 +422,6 @@ class ChunkedForward:
         mask = mask_by_index(seen, visible, self.adapter.dtype)
         return RidePiece(self, n, self.input_ids[piece], self.positions[:, piece], mask[None, None], layers, slots,
                          visible)
-
-    def _rode(self, n: int, logits: torch.Tensor) -> bool:
-        self.done += n
-        if not self.remaining:
-            self.logits = logits
-        return not self.remaining
 
 
 def _truncate(cache: DynamicCache, length: int) -> None:
@@ -451,7 +452,7 @@ class RidePiece:
 
     def done(self, logits: torch.Tensor) -> bool:
         """Record the piece as run; `logits` [1, V] are its last token's. True once the forward is done."""
-        return self.forward._rode(self.n, logits)
+        return self.forward._ran(self.n, logits)
 
 
 def mask_by_index(index: torch.Tensor, visible: int, dtype: torch.dtype) -> torch.Tensor:
