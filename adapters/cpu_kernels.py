@@ -39,12 +39,12 @@ class OneDNNLinear(nn.Module):
     """`nn.Linear` with its weight reordered for oneDNN, held once. Moved to another dtype or
     device (`.to`, `.half()`), it holds the weight dense there and runs as `nn.Linear` does."""
 
-    def __init__(self, linear: nn.Linear, packed: torch.Tensor):
+    def __init__(self, in_features: int, out_features: int, weight: torch.Tensor, bias: nn.Parameter | None):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed: torch.Tensor | None = packed
+        self.in_features, self.out_features, self.bias = in_features, out_features, bias
+        self.packed: torch.Tensor | None = None
         self.dense: torch.Tensor | None = None
-        self.bias = linear.bias
+        self._hold(weight)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -72,9 +72,8 @@ class OneDNNLinear(nn.Module):
         return self
 
     def __deepcopy__(self, memo):
-        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
-        dense.bias = copy.deepcopy(self.bias, memo)
-        return OneDNNLinear(dense, None)._hold(self.weight.clone())
+        weight = self.weight if self.packed is not None else self.dense.clone()  # to_dense is a copy already
+        return OneDNNLinear(self.in_features, self.out_features, weight, copy.deepcopy(self.bias, memo))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self.weight
@@ -88,8 +87,7 @@ class OneDNNLinear(nn.Module):
 
 def parameter_count(model: nn.Module) -> int:
     """The model's weights, packed layers' included (their weights are no longer parameters)."""
-    packed = sum(m.weight.numel() if m.packed is None else m.packed.numel()
-                 for m in model.modules() if isinstance(m, OneDNNLinear))
+    packed = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, OneDNNLinear))
     return sum(p.numel() for p in model.parameters()) + packed
 
 
@@ -97,16 +95,13 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _packed(linear: nn.Linear) -> torch.Tensor | None:
-    """The weight reordered for oneDNN, or None when its product differs from the dense one."""
-    weight = linear.weight.detach()
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    x = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(0), dtype=weight.dtype)
-    bias = None if linear.bias is None else linear.bias.detach()
-    want = nn.functional.linear(x, weight, bias)
-    got = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def _packed(linear: nn.Linear) -> OneDNNLinear | None:
+    """`linear` with its weight reordered for oneDNN, or None when its product differs from the dense one."""
+    layer = OneDNNLinear(linear.in_features, linear.out_features, linear.weight, linear.bias)
+    x = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(0), dtype=linear.weight.dtype)
+    want = linear(x)
     scale = want.abs().max().clamp_min(1e-6)
-    return packed if bool(((got - want).abs().max() / scale) <= CHECK_TOLERANCE) else None
+    return layer if bool(((layer(x) - want).abs().max() / scale) <= CHECK_TOLERANCE) else None
 
 
 def pack_linears(model: nn.Module, prefixes: tuple[str, ...], mode: str = "onednn") -> str:
@@ -135,13 +130,13 @@ def pack_linears(model: nn.Module, prefixes: tuple[str, ...], mode: str = "onedn
             if linear.weight.dtype != torch.float32 or owners.get(linear.weight.data_ptr(), 0) > 1:
                 kept += 1  # another dtype, or a weight tied to another module's
                 continue
-            packed = _packed(linear)
-            if packed is None:
+            layer = _packed(linear)
+            if layer is None:
                 log.warning("oneDNN's product differs from the dense one on %s; it stays dense", name)
                 kept += 1
                 continue
             parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, OneDNNLinear(linear, packed))
+            setattr(model.get_submodule(parent), attr, layer)
     total = len(linears) + already
     if kept == len(linears) and not already:
         return "dense: no layer could be packed (float32 weights, not tied)"
