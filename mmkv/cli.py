@@ -178,6 +178,9 @@ def serve(
     background_mb: Annotated[float, typer.Option(envvar="MMKV_BACKGROUND_MB", min=0.0, help=(
         "Pending background builds of first-seen images: their visual features and the KV their builds will "
         "hold; a build beyond it is dropped and counted."))] = 256.0,
+    slot_mb: Annotated[float, typer.Option(envvar="MMKV_SLOT_MB", min=0.0, help=(
+        "Prompt-length KV buffers kept for reuse on a CPU, in use and free together: a conversation's buffer "
+        "from its last turn holds the prefix its next turn hits, in place. 0: none kept."))] = 1024.0,
     cpu_linear: Annotated[str, typer.Option(envvar="MMKV_CPU_LINEAR", help=(
         "On a CPU: onednn (the language model's linear layers on oneDNN with weights prepacked once, "
         "held once; few-row decode steps and short prefills much faster than MKL's) or dense (PyTorch's "
@@ -248,6 +251,7 @@ def serve(
                                                        "mooncake_buffer_bytes": mooncake_buffer_mb << 20},
                                         first_sight_in_context=first_sight_in_context,
                                         background_bytes=int(background_mb * (1 << 20)),
+                                        slot_bytes=int(slot_mb * (1 << 20)),
                                         max_video_tokens_per_request=max_video_tokens_per_request,
                                         cpu_linear=cpu_linear)
         limits = ConnectionLimits(max_connections=max_connections, header_timeout_s=header_timeout_s,

@@ -45,7 +45,7 @@ from mmkv.request.registry import ImageInfo, Registries, Skill, SkillInfo, check
 from mmkv.request.streams import PreparedFrames, StreamInfo, StreamSettings
 from mmkv.request.videos import RegisteredVideo, VideoInfo
 from mmkv.request.registry import image_id_for  # noqa: F401  re-exported: mmkv.bench.run imports it from here
-from mmkv.request.splice import PrefillResult, prefill_full
+from mmkv.request.splice import PrefillResult, SlotPool, prefill_full
 from mmkv.store.tiers import StoreConfig, Tiers, digest_cache_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -81,6 +81,10 @@ class EngineSettings:
     # On a CPU, the language model's linear layers on oneDNN with prepacked weights (held once), or
     # PyTorch's dense nn.Linear (mmkv.adapters.cpu_kernels); no effect on a GPU.
     cpu_linear: str = "onednn"
+    # Prompt-length KV buffers kept for reuse on a CPU, in use and free together (mmkv.request.splice.SlotPool):
+    # a reused buffer's pages are mapped already, and a conversation's buffer from its last turn holds
+    # the prefix blocks its next turn hits in place (neither copied nor rotated in again).
+    slot_bytes: int = 1 << 30
 
     def __post_init__(self):
         check_seam_tokens(self.seam_tokens)
@@ -94,6 +98,8 @@ class EngineSettings:
             raise InvalidRequestError("image_store_bytes must be >= 0", param="image_store_bytes")
         if self.background_bytes < 0:
             raise InvalidRequestError("background_bytes must be >= 0", param="background_bytes")
+        if self.slot_bytes < 0:
+            raise InvalidRequestError("slot_bytes must be >= 0", param="slot_bytes")
         if self.cpu_linear not in CPU_LINEAR:
             raise InvalidRequestError(f"cpu_linear must be one of {CPU_LINEAR}", param="cpu_linear")
         if self.max_video_tokens_per_request < 0:
@@ -268,6 +274,7 @@ class Engine:
         self.fingerprint = model_fingerprint(adapter, digest_cache=digest_cache_path(store))
         # after the fingerprint: packed layers hash as their dense weights, but reading them back costs
         self.cpu_linear = adapter.pack_linears(self.settings.cpu_linear)
+        self.slots = adapter.slot_pool = SlotPool(self.settings.slot_bytes)  # the prompt-length buffers kept
         ip = adapter.processor.image_processor
         self.grid_settings = f"{ip.size}|patch={ip.patch_size}|merge={ip.merge_size}"
         # the request's stage before placement: template, tokens, positions (mmkv.request.plan)
@@ -760,6 +767,10 @@ class Engine:
                 "prefix_blocks": self.cache.count("prefix"),
                 "cache_bytes": self.cache.nbytes,
                 "cache_budget_bytes": self.cache.budget_bytes,
+                "slot_bytes": self.slots.nbytes,
+                "slot_budget_bytes": self.slots.budget,
+                "slot_in_place_tokens": self.slots.in_place_blocks * self.prefix.block,
+                "slot_copied_tokens": self.slots.copied_blocks * self.prefix.block,
                 "evictions": self.cache.evictions,
                 "prefill_tokens": c.prefill_tokens + reg.precompiled_tokens,
                 "reused_tokens": c.reused_tokens,

@@ -32,6 +32,13 @@ _ENGINE_METRICS = {
     "evictions": ("mmkv:cache_evictions", "Cache entries evicted to stay under the byte budget.", "counter"),
     "cache_bytes": ("mmkv:cache_bytes", "Bytes of KV held by the cache.", "gauge"),
     "cache_budget_bytes": ("mmkv:cache_budget_bytes", "The cache's byte budget.", "gauge"),
+    "slot_bytes": ("mmkv:slot_pool_bytes", "Bytes of prompt-length KV buffers kept for reuse (CPU), in use and free.",
+                   "gauge"),
+    "slot_budget_bytes": ("mmkv:slot_pool_budget_bytes", "The slot pool's byte budget.", "gauge"),
+    "slot_in_place_tokens": ("mmkv:slot_in_place_tokens", "Prefix-cache hit tokens a conversation's kept buffer held "
+                             "in place (neither copied nor rotated in).", "counter"),
+    "slot_copied_tokens": ("mmkv:slot_copied_tokens", "Prefix-cache hit tokens copied from a conversation's outgrown "
+                           "buffer.", "counter"),
     "image_cache_entries": ("mmkv:image_cache_entries", "Images whose KV is cached.", "gauge"),
     "skill_entries": ("mmkv:skill_cache_entries", "Skills whose KV is cached.", "gauge"),
     "prefix_blocks": ("mmkv:prefix_cache_blocks", "Prompt-prefix blocks cached.", "gauge"),

@@ -240,22 +240,22 @@ def test_slot_pool_makes_room_by_dropping_free_buffers_of_other_sizes():
     from mmkv.request.splice import SlotPool
 
     f32, cpu = torch.float32, torch.device("cpu")
-    pool = SlotPool(budget=4 * 5000)  # room for 5000 float32 elements; kept buffers get 1.25x room
-    alive = pool.take(800, f32, cpu)  # kept (1000) and still in use
-    for n in (2000, 400):  # kept (2500, 500), released at once
+    pool = SlotPool(budget=4 * 5000)  # room for 5000 float32 elements; kept buffers get 1.5x room
+    alive = pool.take(800, f32, cpu)  # kept (1200) and still in use
+    for n in (2000, 400):  # kept (3000, 600), released at once
         pool.take(n, f32, cpu)
-    assert pool.nbytes == (1000 + 2500 + 500) * 4
+    assert pool.nbytes == (1200 + 3000 + 600) * 4
     big = pool.take(3500, f32, cpu)  # fits no kept buffer: free ones go until it fits, the one in use stays
-    assert big.numel() == 3500 and pool.nbytes == (1000 + 500 + 3500) * 4  # no room for 1.25x: exact
+    assert big.numel() == 3500 and pool.nbytes == (1200 + 3500) * 4  # no room for 1.5x: exact
     assert alive.numel() == 800
     ptr = big.untyped_storage().data_ptr()
     del big
     again = pool.take(2000, f32, cpu)  # the free 3500 buffer fits and is handed out again
-    assert again.untyped_storage().data_ptr() == ptr and pool.nbytes == (1000 + 500 + 3500) * 4
+    assert again.untyped_storage().data_ptr() == ptr and pool.nbytes == (1200 + 3500) * 4
 
 
 def test_slot_pool_gives_a_growing_conversation_its_buffer_again():
-    """A kept buffer has 1.25x the room asked for, so the next turn's longer prompt reuses it
+    """A kept buffer has 1.5x the room asked for, so the next turn's longer prompt reuses it
     (its pages mapped already) instead of faulting in a fresh one."""
     from mmkv.request.splice import POOL_GROWTH, SlotPool
 
@@ -265,9 +265,9 @@ def test_slot_pool_gives_a_growing_conversation_its_buffer_again():
     ptr = turn.untyped_storage().data_ptr()
     assert turn.numel() == 10_000 and pool.nbytes == int(10_000 * POOL_GROWTH) * 4
     del turn
-    for n in (11_000, 12_500):  # two longer turns, one after the other
+    for n in (11_000, 15_000):  # two longer turns, one after the other
         turn = pool.take(n, f32, cpu)
         assert turn.numel() == n and turn.untyped_storage().data_ptr() == ptr
         del turn
-    longer = pool.take(12_501, f32, cpu)  # past the room: a new buffer
+    longer = pool.take(15_001, f32, cpu)  # past the room: a new buffer
     assert longer.untyped_storage().data_ptr() != ptr

@@ -39,7 +39,8 @@ from mmkv.store.kv_store import PurgeWatch
 from mmkv.store.prefix_cache import ChunkSpan, block_keys
 from mmkv.kv.rerotate import constant_delta
 from mmkv.request.blend import Blend, BlendChooser, BlendReport
-from mmkv.request.splice import PrefillResult, preallocate, prefill_spliced, ranges_less, splice_layout
+from mmkv.request.splice import (PrefillResult, SlotLayer, pool_of, prefill_spliced, prefix_slots, ranges_less,
+                                 splice_layout)
 
 if TYPE_CHECKING:
     from mmkv.request.plan import Planner, SplicePlan
@@ -291,16 +292,24 @@ class KVPlacer:
         n = plan.input_ids.numel()
         cache = self.adapter.new_cache()
         start = len(blocks) * self.prefix.block
-        if blocks:
-            self.prefix.load(blocks, preallocate(self.adapter, cache, 0, n))
+        if blocks:  # a conversation's buffer from its last turn may hold the first blocks already
+            layers, in_place = prefix_slots(self.adapter, cache, n, owner=self.prefix, want=[b.key for b in blocks],
+                                            block=self.prefix.block)
+            self.prefix.load(blocks, layers, in_place)
         rotate = policy != "none"
         result = prefill_spliced(self.adapter, plan.input_ids, plan.positions, plan.placements, seam,
                                  rotate=rotate, cache=cache, start=start, defer=True, blend=chooser)
-        insert = None
-        if keys:  # stored once the first token is out (Run.first_token_out): off the TTFT path
-            cache, rope = result.cache, self.adapter.rope
-            spans = chunk_spans(plan, n, start, seam, rotate, chooser.chosen if chooser is not None else [])
-            insert = lambda: self.prefix.insert(keys, cache, plan.positions, have, n, spans, rope)  # noqa: E731
+        if not keys:
+            return result, None
+        # stored once the first token is out (Run.first_token_out): off the TTFT path
+        cache, rope = result.cache, self.adapter.rope
+        spans = chunk_spans(plan, n, start, seam, rotate, chooser.chosen if chooser is not None else [])
+
+        def insert() -> int:
+            stored = self.prefix.insert(keys, cache, plan.positions, have, n, spans, rope)
+            if cache.layers and isinstance(cache.layers[0], SlotLayer):  # its front, for the next turn
+                pool_of(self.adapter).hold(cache.layers[0].keys, self.prefix, keys)
+            return stored
         return result, insert
 
     def _erratum_plan(self, plan: SplicePlan, client: TokenView, change: FieldChange | None,

@@ -9,8 +9,12 @@ lock, where the registries it is handed are consistent.
 from __future__ import annotations
 
 import re
+import sys
+import threading
+from array import array
 from dataclasses import dataclass
 
+import cachetools
 import torch
 
 from mmkv.adapters import ImageFeatures, VisualGrid, VLAdapter
@@ -143,10 +147,59 @@ class ClientText:
             run = []
 
 
+TURN_MARK = "<|im_start|>"  # where the chat template opens a message
+TURN_TOKENS_BYTES = 8 << 20
+
+
+class TurnTokens:
+    """Token ids of rendered template text, tokenized a message at a time: the text split before
+    each `TURN_MARK`, a special token the tokenizer splits on before anything else, so each piece
+    tokenizes alone exactly as inside the whole (checked once at start; where it does not hold,
+    the whole text is tokenized at once). Each piece's ids are kept in an LRU of at most `budget`
+    bytes (the text and its ids at their Python size), so a conversation's next turn tokenizes only
+    its new messages. Thread-safe."""
+
+    def __init__(self, tokenizer, budget: int = TURN_TOKENS_BYTES):
+        self.tokenizer = tokenizer
+        self.split = TURN_MARK in tokenizer.get_added_vocab() and self._splits_alone()
+        self._cache = cachetools.LRUCache(budget, getsizeof=lambda entry: entry[1])
+        self._lock = threading.Lock()
+
+    def _splits_alone(self) -> bool:
+        tok = self.tokenizer
+        head, tail = "a b\n\n ", TURN_MARK + " user\n  c"
+        return tok(head + tail)["input_ids"] == tok(head)["input_ids"] + tok(tail)["input_ids"]
+
+    def __call__(self, text: str) -> list[int]:
+        if not self.split:
+            return self.tokenizer(text)["input_ids"]
+        pieces = text.split(TURN_MARK)
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            piece = TURN_MARK + piece if i else piece
+            if not piece:
+                continue
+            with self._lock:
+                hit = self._cache.get(piece)
+            if hit is None:
+                got = array("q", self.tokenizer(piece)["input_ids"])
+                hit = (got, sys.getsizeof(piece) + sys.getsizeof(got))
+                with self._lock:
+                    if hit[1] <= self._cache.maxsize:
+                        self._cache[piece] = hit
+            ids.extend(hit[0])
+        return ids
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._cache.currsize)
+
+
 class Planner:
     def __init__(self, adapter: VLAdapter):
         self.adapter = adapter
         self.client_text = ClientText(adapter.tokenizer)
+        self.turn_tokens = TurnTokens(adapter.tokenizer)  # a conversation's earlier messages tokenized once
         self.videos = None  # the engine's VideoRegistry: a video's group tokens and grids
 
     def render(self, template_messages: list[dict], add_generation_prompt: bool = True,
@@ -241,10 +294,10 @@ class Planner:
         marks as the string's plain-text tokens, the rest as the template wrote it."""
         ids, cursor, tok = [], 0, self.adapter.tokenizer
         for m in _LITERAL_MARK.finditer(text):
-            ids += tok(text[cursor:m.start()])["input_ids"]
+            ids += self.turn_tokens(text[cursor:m.start()])
             ids += tok(self.client_text.specials[int(m.group(1))], split_special_tokens=True)["input_ids"]
             cursor = m.end()
-        return ids + tok(text[cursor:])["input_ids"]
+        return ids + self.turn_tokens(text[cursor:])
 
     def _check_reserved(self, text: str, images: int, videos: int = 0) -> None:
         """Each text part was checked alone (mmkv.request.messages); adjacent parts can still join into a

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -154,8 +155,35 @@ def splice_layout(placements: list[Placement], total: int, start: int, seam_toke
     return SpliceLayout(computed, reused)
 
 
-POOL_BYTES = 256 << 20  # prompt-length KV buffers the pool keeps, in use and free together
-POOL_GROWTH = 1.25  # a fresh kept buffer's room over its request: a conversation's next, longer turn fits it
+POOL_BYTES = 256 << 20  # what the process-wide pool keeps (an Engine keeps its own: EngineSettings.slot_bytes)
+POOL_GROWTH = 1.5  # a fresh kept buffer's room over its request: a conversation's next turns, longer, fit it
+OUTGROWN_ROOM = 2.0  # the room of the buffer that replaces one a conversation outgrew: it keeps growing
+
+
+@dataclass(eq=False)
+class _Kept:
+    """A buffer the pool keeps: `alone` its storage's use count when only the pool holds it; `held`
+    the prefix-cache block keys whose KV sits at its front (in `preallocate`'s layout), written
+    by a request of `owner` (a weak reference to that engine's PrefixCache) that finished its
+    prefill and stored them. Cleared whenever the buffer is handed out."""
+
+    buf: torch.Tensor
+    alone: int
+    owner: weakref.ref | None = None
+    held: tuple[str, ...] = ()
+
+
+@dataclass
+class Lent:
+    """What `SlotPool.lend` hands out: a flat buffer of at least the numel asked for (its whole
+    room), how many of the wanted blocks its front holds already (`in_place`), and else a free kept
+    buffer whose front holds more of them (`source`, to copy from: a conversation that outgrew its
+    buffer), with how many (`source_blocks`)."""
+
+    buffer: torch.Tensor
+    in_place: int = 0
+    source: torch.Tensor | None = None
+    source_blocks: int = 0
 
 
 class SlotPool:
@@ -167,79 +195,199 @@ class SlotPool:
     `POOL_GROWTH` times the room asked for (the budget allowing; pages never written are never
     mapped), so the next turn of a conversation, a few hundred tokens longer, reuses it instead of
     faulting in a fresh one (13k page faults, 23 ms, for a 3.3k-token prompt of the bench model).
-    At most `budget` bytes are kept, buffers in use included; beyond that, or on another device,
-    buffers are allocated fresh and not kept. Thread-safe."""
+
+    A kept buffer also remembers which prefix-cache blocks its front holds (`hold`, once a request's
+    blocks are stored): the next turn of that conversation, whose prefix-cache hit starts with
+    those blocks, gets that buffer back with them in place (`lend`), so its hit is neither copied
+    nor rotated in again. The blocks must still be in the store (the hit is looked up there first:
+    a deleted image's blocks are gone, so a buffer never serves them), and the record is for one
+    engine's prefix cache only. At most `budget` bytes are kept, buffers in use included; beyond
+    that, or on another device, buffers are allocated fresh and not kept. Thread-safe."""
 
     def __init__(self, budget: int = POOL_BYTES):
         self.budget = budget
-        self._kept: list[tuple[torch.Tensor, int]] = []  # (flat buffer, its storage's use count when only kept here)
+        self._kept: list[_Kept] = []
         self._lock = threading.Lock()
+        self.in_place_blocks = 0  # blocks a lent buffer held in place, over the pool's life
+        self.copied_blocks = 0  # blocks copied from a conversation's outgrown buffer
 
     @staticmethod
     def _uses(buf: torch.Tensor) -> int:
         return torch._C._storage_Use_Count(buf.untyped_storage()._cdata)
 
-    def _free(self, buf: torch.Tensor, alone: int) -> bool:
-        return self._uses(buf) == alone
+    def _free(self, entry: _Kept) -> bool:
+        return self._uses(entry.buf) == entry.alone
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b, _ in self._kept)
+        return sum(e.buf.nbytes for e in self._kept)
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat buffer of `numel` elements (contents undefined): a free kept one of between
         numel and 2 x numel elements, else a new one (kept if the budget allows)."""
+        return self.lend(numel, dtype, device).buffer[:numel]
+
+    def lend(self, numel: int, dtype: torch.dtype, device: torch.device, owner: object = None,
+             want: list[str] = ()) -> Lent:
+        """A flat buffer of at least `numel` elements (its whole room; contents undefined but for
+        `Lent.in_place` leading blocks of `want`, block keys of `owner`'s prefix cache). The free
+        kept buffer whose record starts with the most of `want` when it has room, else a free kept
+        one of between numel and 2 x numel elements, else a new one (kept if the budget allows);
+        a free kept buffer too small but holding more of `want` comes as `Lent.source`."""
         need = numel * dtype.itemsize
         if device.type != "cpu" or need > self.budget:
-            return torch.empty(numel, dtype=dtype, device=device)
+            return Lent(torch.empty(numel, dtype=dtype, device=device))
         with self._lock:
-            fits = [(b, a) for b, a in self._kept if b.dtype == dtype and numel <= b.numel() <= 2 * numel
-                    and self._free(b, a)]
-            if fits:
-                return min(fits, key=lambda f: f[0].numel())[0][:numel]
+            best, in_place, source, copy = None, 0, None, 0
+            for e in self._kept if owner is not None and want else ():
+                if e.owner is None or e.owner() is not owner or e.buf.dtype != dtype or not self._free(e):
+                    continue
+                m = _common(e.held, want)
+                if e.buf.numel() >= numel and m > in_place:
+                    best, in_place = e, m
+                elif e.buf.numel() < numel and m > copy:
+                    source, copy = e, m
+            grown = int(numel * (POOL_GROWTH if source is None else OUTGROWN_ROOM))
+            if best is None:  # a free one that fits, without another conversation's blocks while there is room
+                fits = [e for e in self._kept if e.buf.dtype == dtype and numel <= e.buf.numel() <= 2 * numel
+                        and self._free(e)]
+                plain = [e for e in fits if not e.held]
+                if plain:
+                    best = min(plain, key=lambda e: e.buf.numel())
+                elif fits and self.nbytes + grown * dtype.itemsize > self.budget:
+                    best = fits[0]  # the least recently used
+            if best is not None:
+                best.owner, best.held = None, ()  # the request may write anywhere past its hit
+                self._kept = [e for e in self._kept if e is not best] + [best]  # most recently used last
+                self.in_place_blocks += in_place
+                return self._lent(best.buf, in_place, source, copy)
             for entry in list(self._kept):  # make room: the free buffers that fit nothing, oldest first
                 if self.nbytes + need <= self.budget:
                     break
-                if self._free(*entry):  # (by identity: == on tuples of tensors compares their elements)
+                if entry is not source and self._free(entry):  # the buffer to copy from stays until copied
                     self._kept = [e for e in self._kept if e is not entry]
-            grown = int(numel * POOL_GROWTH)
             size = grown if self.nbytes + grown * dtype.itemsize <= self.budget else numel
             buf = torch.empty(size, dtype=dtype, device=device)
             if self.nbytes + size * dtype.itemsize <= self.budget:
-                self._kept.append((buf, self._uses(buf)))
-            return buf[:numel]
+                self._kept.append(_Kept(buf, self._uses(buf)))
+            return self._lent(buf, in_place, source, copy)
+
+    @staticmethod
+    def _lent(buf: torch.Tensor, in_place: int, source: _Kept | None, copy: int) -> Lent:
+        """Views, never the pool's own tensors: the use count that says a buffer is free sees views."""
+        if in_place or source is None:
+            return Lent(buf[:], in_place)
+        return Lent(buf[:], 0, source.buf[:], copy)
+
+    def copied(self, lent: Lent) -> None:
+        """`lent.source` was copied from: the outgrown buffer is dropped (its blocks live on in the
+        new one)."""
+        with self._lock:
+            self.copied_blocks += lent.source_blocks
+            ptr = lent.source.untyped_storage().data_ptr()
+            self._kept = [e for e in self._kept if e.buf.untyped_storage().data_ptr() != ptr]
+        lent.source = None
+
+    def hold(self, tensor: torch.Tensor, owner: object, keys: list[str]) -> None:
+        """Record that the kept buffer under `tensor` (a view of it) holds the KV of blocks `keys`
+        of `owner`'s prefix cache at its front: called once those blocks are stored."""
+        ptr = tensor.untyped_storage().data_ptr()
+        with self._lock:
+            for e in self._kept:
+                if e.buf.untyped_storage().data_ptr() == ptr:
+                    e.owner, e.held = weakref.ref(owner), tuple(str(k) for k in keys)
+                    self._kept = [x for x in self._kept if x is not e] + [e]
+                    return
 
 
-SLOT_POOL = SlotPool()
+def _common(held: tuple[str, ...], want: list[str]) -> int:
+    n = 0
+    for a, b in zip(held, want):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+SLOT_POOL = SlotPool()  # for adapters without their own (an Engine gives its adapter one: `slot_pool`)
+
+
+def pool_of(adapter: VLAdapter) -> SlotPool:
+    """The pool `adapter`'s prompt-length buffers come from: its engine's, else the process-wide one."""
+    return getattr(adapter, "slot_pool", None) or SLOT_POOL
+
+
+ADAPTER_POOL = "adapter"  # `preallocate`'s default: the adapter's pool (`pool_of`)
+
+
+def _kv_shape(adapter: VLAdapter) -> tuple[int, int]:
+    text = adapter.text_config
+    return text.num_key_value_heads, getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def _slot_layers(adapter: VLAdapter, flat: torch.Tensor, total: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values) [1, kv_heads, total, head_dim] in `flat`, laid out for as many
+    tokens as it has room for: a buffer's layout depends on its size only, so a later request in
+    it finds an earlier one's KV where that one left it."""
+    heads, head_dim = _kv_shape(adapter)
+    room = flat.numel() // (2 * adapter.num_layers * heads * head_dim)
+    grid = flat[:2 * adapter.num_layers * heads * room * head_dim].view(adapter.num_layers, 2, 1, heads, room, head_dim)
+    return [(grid[i, 0, :, :, :total], grid[i, 1, :, :, :total]) for i in range(adapter.num_layers)]
+
+
+def _lend(adapter: VLAdapter, total: int, pool: SlotPool | None | str, owner: object = None,
+          want: list[str] = ()) -> tuple[SlotPool | None, Lent]:
+    """A buffer for `total` tokens of KV from `pool` (None: fresh; ADAPTER_POOL: `pool_of`)."""
+    heads, head_dim = _kv_shape(adapter)
+    numel = 2 * adapter.num_layers * heads * head_dim * total
+    pool = pool_of(adapter) if pool == ADAPTER_POOL else pool
+    if pool is None:
+        return None, Lent(torch.empty(numel, dtype=adapter.dtype, device=adapter.device))
+    return pool, pool.lend(numel, adapter.dtype, adapter.device, owner, want)
 
 
 def preallocate(adapter: VLAdapter, cache: DynamicCache, start: int, total: int,
-                pool: SlotPool | None = SLOT_POOL) -> list[SlotLayer]:
+                pool: SlotPool | None | str = ADAPTER_POOL) -> list[SlotLayer]:
     """Give every layer of `cache` (holding `start` tokens) a buffer for `total` tokens, the held
     KV copied to its front. Returns the new layers (also installed in `cache`). Layers that are
     prompt-length already (PrefixCache.load wrote tokens [0, start) into them) are used as they are.
-    The buffers are views of one block taken from `pool` (None: allocated fresh)."""
+    The buffers are views of one block taken from `pool` (None: allocated fresh; by default the
+    adapter's, `pool_of`)."""
     held = cache.get_seq_length() if cache.layers else 0
     if start and held == total and all(isinstance(layer, SlotLayer) for layer in cache.layers[:adapter.num_layers]):
         return list(cache.layers[:adapter.num_layers])
     if held != start:
         raise ValueError(f"the cache holds {held} tokens but start is {start}")
-    text = adapter.text_config
-    heads = text.num_key_value_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    shape, per = (1, heads, total, head_dim), heads * total * head_dim
-    numel = 2 * adapter.num_layers * per
-    flat = (pool.take(numel, adapter.dtype, adapter.device) if pool is not None
-            else torch.empty(numel, dtype=adapter.dtype, device=adapter.device))
+    return _install(adapter, cache, _lend(adapter, total, pool)[1].buffer, total, start)
+
+
+def _install(adapter: VLAdapter, cache: DynamicCache, flat: torch.Tensor, total: int, start: int) -> list[SlotLayer]:
     layers = []
-    for i in range(adapter.num_layers):
-        k, v = flat[2 * i * per:(2 * i + 1) * per].view(shape), flat[(2 * i + 1) * per:(2 * i + 2) * per].view(shape)
+    for i, (k, v) in enumerate(_slot_layers(adapter, flat, total)):
         if start:
             k[:, :, :start].copy_(cache.layers[i].keys)
             v[:, :, :start].copy_(cache.layers[i].values)
         layers.append(SlotLayer(k, v))
     cache.layers[: len(layers)] = layers
     return layers
+
+
+def prefix_slots(adapter: VLAdapter, cache: DynamicCache, total: int, pool: SlotPool | None | str = ADAPTER_POOL,
+                 owner: object = None, want: list[str] = (), block: int = 16) -> tuple[list[SlotLayer], int]:
+    """Prompt-length layers for an empty `cache` about to take a prefix-cache hit of blocks `want`
+    (keys of `owner`'s prefix cache, `block` tokens each), and how many of those blocks are in
+    place already: a conversation's buffer from its last turn, kept by `pool` with those blocks at
+    its front (`SlotPool.hold`), or copied from it when the conversation outgrew it."""
+    pool, lent = _lend(adapter, total, pool, owner, want)
+    layers = _install(adapter, cache, lent.buffer, total, 0)
+    if lent.source is None:
+        return layers, lent.in_place
+    n = lent.source_blocks * block
+    for layer, (k, v) in zip(layers, _slot_layers(adapter, lent.source, n)):
+        layer.keys[:, :, :n].copy_(k)
+        layer.values[:, :, :n].copy_(v)
+    pool.copied(lent)
+    return layers, lent.source_blocks
 
 
 def place_chunk(layers: list[SlotLayer], p: Placement, first: int, stop: int, rope, rotate: bool = True) -> None:

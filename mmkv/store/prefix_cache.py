@@ -226,13 +226,15 @@ class PrefixCache:
         self.hit_tokens += len(found) * self.block
         return found
 
-    def load(self, blocks: list[PrefixBlock | ChunkRefBlock], layers: list) -> None:
-        """Write the blocks' KV into the first slots of prompt-length cache layers (each with
-        `keys` / `values` [1, kv_heads, L, head_dim]): copies straight in, and each run of
-        references to one chunk rotated straight in by one pass (`block_runs`, `_place_run`)."""
+    def load(self, blocks: list[PrefixBlock | ChunkRefBlock], layers: list, first: int = 0) -> None:
+        """Write the blocks' KV, but for the first `first` (in place already), into their slots of
+        prompt-length cache layers (each with `keys` / `values` [1, kv_heads, L, head_dim]): copies
+        straight in, and each run of references to one chunk rotated straight in by one pass
+        (`block_runs`, `_place_run`)."""
         dst_keys, dst_values = [x.keys for x in layers], [x.values for x in layers]
-        for at, stop, run in block_runs(blocks, self.block):
-            _place_run(dst_keys, dst_values, at, run, 0, stop - at)
+        skip = first * self.block
+        for at, stop, run in block_runs(blocks[first:], self.block):
+            _place_run(dst_keys, dst_values, skip + at, run, 0, stop - at)
 
     def insert(self, keys: list[str], cache, positions: torch.Tensor, have: int, upto_tokens: int,
                spans: list[ChunkSpan] = (), rope: RopeLayout | None = None) -> int:
