@@ -99,3 +99,23 @@ def transformers_greedy(model_dir, max_new_tokens: int):
     ours = [{"role": "user", "content": [{"type": "text", "text": "see"}, img,
                                          {"type": "text", "text": "what color is the shape ?"}]}]
     return ours, inputs["input_ids"][0], out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def serve_kwargs(monkeypatch, *args: str) -> dict:
+    """What `mmkv serve *args` passes to Engine.from_pretrained (the load is stopped: nothing is
+    served); the command exits 2 on the stopped load."""
+    from typer.testing import CliRunner
+
+    import mmkv.engine
+    import mmkv.errors
+    from mmkv.cli import app
+
+    seen = {}
+
+    def stop(*_, **kw):
+        seen.update(kw)
+        raise mmkv.errors.ModelLoadError("stopped by the test")
+
+    monkeypatch.setattr(mmkv.engine.Engine, "from_pretrained", stop)
+    assert CliRunner().invoke(app, ["serve", *args]).exit_code == 2
+    return seen

@@ -19,7 +19,7 @@ from mmkv.adapters.cpu_kernels import OneDNNLinear, onednn_available, pack_linea
 from mmkv.errors import InvalidRequestError
 from mmkv.request.batch import DecodeBatch
 
-from conftest import make_png
+from conftest import make_png, serve_kwargs
 
 TOL = 1e-5
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
@@ -171,10 +171,6 @@ def test_packed_layer_edges():
 
 
 def test_metrics_and_the_serve_flag_name_the_backend(pair, monkeypatch):
-    from typer.testing import CliRunner
-
-    import mmkv.engine
-    from mmkv.cli import app
     from mmkv.server.app import ServerSettings, create_app
     from test_server import LiveServer
 
@@ -185,15 +181,8 @@ def test_metrics_and_the_serve_flag_name_the_backend(pair, monkeypatch):
             assert live.metrics()[f'mmkv:linear_backend{{backend="{want}"}}'] == 1.0
         finally:
             live.close()
-    seen = {}
-
-    def stop(*args, **kw):  # the flag reaches the engine; nothing is served
-        seen.update(kw)
-        raise mmkv.errors.ModelLoadError("stopped by the test")
-
-    monkeypatch.setattr(mmkv.engine.Engine, "from_pretrained", stop)
-    result = CliRunner().invoke(app, ["serve", "--cpu-linear", "dense"])
-    assert result.exit_code == 2 and seen["cpu_linear"] == "dense"
+    seen = serve_kwargs(monkeypatch, "--cpu-linear", "dense")
+    assert seen["cpu_linear"] == "dense"
 
 
 # ---- grouped-query attention without copies (gqa_without_copies) ------------------------------

@@ -15,7 +15,7 @@ from mmkv.request.oracle import block_masked_logits
 from mmkv.request.splice import SlotPool, _slot_layers
 from mmkv.testing.tiny import FAMILIES
 
-from conftest import make_png
+from conftest import make_png, serve_kwargs
 
 TOL = 1e-4  # float32 logits against one block-masked forward (mmkv.request.oracle)
 F32, CPU = torch.float32, torch.device("cpu")
@@ -243,10 +243,6 @@ def test_no_pool_keeps_nothing_and_answers_the_same(tiny_dirs):
 
 
 def test_metrics_and_the_serve_flag_carry_the_pool(engine, monkeypatch):
-    from typer.testing import CliRunner
-
-    import mmkv.engine
-    from mmkv.cli import app
     from mmkv.server.app import ServerSettings, create_app
     from test_server import LiveServer
 
@@ -258,12 +254,5 @@ def test_metrics_and_the_serve_flag_carry_the_pool(engine, monkeypatch):
         assert got["mmkv:slot_in_place_tokens_total"] == engine.slots.in_place_blocks * 16 > 0
     finally:
         live.close()
-    seen = {}
-
-    def stop(*args, **kw):  # the flag reaches the engine; nothing is served
-        seen.update(kw)
-        raise mmkv.errors.ModelLoadError("stopped by the test")
-
-    monkeypatch.setattr(mmkv.engine.Engine, "from_pretrained", stop)
-    result = CliRunner().invoke(app, ["serve", "--slot-mb", "64"])
-    assert result.exit_code == 2 and seen["slot_bytes"] == 64 << 20
+    seen = serve_kwargs(monkeypatch, "--slot-mb", "64")
+    assert seen["slot_bytes"] == 64 << 20

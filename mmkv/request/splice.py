@@ -19,6 +19,7 @@ then, the pieces together equal the one forward (within float rounding).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -242,7 +243,7 @@ class SlotPool:
             for e in self._kept if owner is not None and want else ():
                 if e.owner is None or e.owner() is not owner or e.buf.dtype != dtype or not self._free(e):
                     continue
-                m = _common(e.held, want)
+                m = len(os.path.commonprefix([e.held, tuple(want)]))
                 if e.buf.numel() >= numel and m > in_place:
                     best, in_place = e, m
                 elif e.buf.numel() < numel and m > copy:
@@ -298,15 +299,6 @@ class SlotPool:
                     e.owner, e.held = weakref.ref(owner), tuple(str(k) for k in keys)
                     self._kept = [x for x in self._kept if x is not e] + [e]
                     return
-
-
-def _common(held: tuple[str, ...], want: list[str]) -> int:
-    n = 0
-    for a, b in zip(held, want):
-        if a != b:
-            break
-        n += 1
-    return n
 
 
 SLOT_POOL = SlotPool()  # for adapters without their own (an Engine gives its adapter one: `slot_pool`)
