@@ -4,6 +4,7 @@ turns timed interleaved, one table per case."""
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import platform
 import random
@@ -710,7 +711,8 @@ class PrefixCacheArm:
 
 
 def _common_prefix(a: list, b: list) -> int:
-    return len(os.path.commonprefix([list(a), list(b)]))
+    """Leading elements equal in both (compared with ==: keys hold None beside ints)."""
+    return sum(1 for _ in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(a, b)))
 
 
 @dataclass
