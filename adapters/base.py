@@ -241,6 +241,12 @@ class VLAdapter:
     def num_layers(self) -> int:
         return self.text_config.num_hidden_layers
 
+    @property
+    def kv_shape(self) -> tuple[int, int]:
+        """(key/value heads, head_dim) of each LM layer's KV."""
+        text = self.text_config
+        return text.num_key_value_heads, getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
     def _lm_kwargs(self, is_image: torch.Tensor, features: ImageFeatures | None) -> dict:
         return {}
 

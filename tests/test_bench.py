@@ -265,11 +265,11 @@ def test_window_out_of_range_refused(args, message):
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
 
 
-def test_the_agent_arms_common_prefix_compares_keys_with_none_beside_ints():
-    """A token's key is (id, screenshot index or None): a text token against an image pad compares
-    None with an int, which only == may do (os.path.commonprefix orders them and raised)."""
-    from mmkv.bench.run import _common_prefix
+def test_the_common_prefix_compares_keys_with_none_beside_ints():
+    """The agent arms' token key is (id, screenshot index or None): a text token against an image
+    pad compares None with an int, which only == may do (os.path.commonprefix orders them and raised)."""
+    from mmkv.store.prefix_cache import common_prefix
 
     a = [(1, None), (7, 0), (7, 0), (2, None)]
     b = [(1, None), (7, 0), (7, None), (2, None)]
-    assert _common_prefix(a, b) == 2 and _common_prefix(a, a) == 4 and _common_prefix(a, []) == 0
+    assert common_prefix(a, b) == 2 and common_prefix(a, a) == 4 and common_prefix(a, []) == 0

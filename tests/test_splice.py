@@ -241,16 +241,16 @@ def test_slot_pool_makes_room_by_dropping_free_buffers_of_other_sizes():
 
     f32, cpu = torch.float32, torch.device("cpu")
     pool = SlotPool(budget=4 * 5000)  # room for 5000 float32 elements; kept buffers get 1.5x room
-    alive = pool.take(800, f32, cpu)  # kept (1200) and still in use
+    alive = pool.lend(800, f32, cpu).buffer  # kept (1200) and still in use
     for n in (2000, 400):  # kept (3000, 600), released at once
-        pool.take(n, f32, cpu)
+        pool.lend(n, f32, cpu)
     assert pool.nbytes == (1200 + 3000 + 600) * 4
-    big = pool.take(3500, f32, cpu)  # fits no kept buffer: free ones go until it fits, the one in use stays
+    big = pool.lend(3500, f32, cpu).buffer  # fits no kept buffer: free ones go until it fits, the one in use stays
     assert big.numel() == 3500 and pool.nbytes == (1200 + 3500) * 4  # no room for 1.5x: exact
-    assert alive.numel() == 800
+    assert alive.numel() == 1200  # a loan is the buffer's whole room
     ptr = big.untyped_storage().data_ptr()
     del big
-    again = pool.take(2000, f32, cpu)  # the free 3500 buffer fits and is handed out again
+    again = pool.lend(2000, f32, cpu).buffer  # the free 3500 buffer fits and is handed out again
     assert again.untyped_storage().data_ptr() == ptr and pool.nbytes == (1200 + 3500) * 4
 
 
@@ -261,13 +261,13 @@ def test_slot_pool_gives_a_growing_conversation_its_buffer_again():
 
     f32, cpu = torch.float32, torch.device("cpu")
     pool = SlotPool(budget=1 << 20)
-    turn = pool.take(10_000, f32, cpu)
+    turn = pool.lend(10_000, f32, cpu).buffer
     ptr = turn.untyped_storage().data_ptr()
-    assert turn.numel() == 10_000 and pool.nbytes == int(10_000 * POOL_GROWTH) * 4
+    assert turn.numel() == int(10_000 * POOL_GROWTH) and pool.nbytes == int(10_000 * POOL_GROWTH) * 4
     del turn
     for n in (11_000, 15_000):  # two longer turns, one after the other
-        turn = pool.take(n, f32, cpu)
-        assert turn.numel() == n and turn.untyped_storage().data_ptr() == ptr
+        turn = pool.lend(n, f32, cpu).buffer
+        assert turn.numel() == 15_000 and turn.untyped_storage().data_ptr() == ptr
         del turn
-    longer = pool.take(15_001, f32, cpu)  # past the room: a new buffer
+    longer = pool.lend(15_001, f32, cpu).buffer  # past the room: a new buffer
     assert longer.untyped_storage().data_ptr() != ptr

@@ -25,6 +25,7 @@ from mmkv.adapters import ImageFeatures
 from mmkv.engine import BUNDLED_MODEL, REPO_ROOT, Engine
 from mmkv.images import decode_image
 from mmkv.request.messages import parse_messages
+from mmkv.store.prefix_cache import common_prefix
 from mmkv.vqa_eval.dataset import ANSWERS, TYPES, load_vqa_set
 from mmkv.vqa_eval.decompose import answer_token_ids, decompose, oracle_logits
 from mmkv.vqa_eval.metrics import logit_cosine, normalize_answer, p90
@@ -161,12 +162,7 @@ def token_keys(ids: torch.Tensor, spans: list[tuple[int, int]], image_ids: list[
 
 def common_prefix_length(a: list, b: list) -> int:
     """Leading keys `a` and `b` share, capped at len(b) - 1 (the last logits are needed)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return min(n, len(b) - 1)
+    return min(common_prefix(a, b), len(b) - 1)
 
 
 # ----------------------------------------------------------------------------- running the arms

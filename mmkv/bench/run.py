@@ -4,7 +4,6 @@ turns timed interleaved, one table per case."""
 from __future__ import annotations
 
 import io
-import itertools
 import os
 import platform
 import random
@@ -19,6 +18,8 @@ from PIL import Image, ImageDraw
 
 from mmkv.adapters.cpu_kernels import parameter_count
 from mmkv.bench import CONFIGS
+from mmkv.request.first_sight import kv_bytes_per_token
+from mmkv.store.prefix_cache import common_prefix
 
 FAST_SAMPLES = 5  # per round, for the arms that compute only the new tokens
 DECODE_STEPS = 16  # greedy decode steps timed after a prefill
@@ -531,9 +532,7 @@ def bench_copy(engine, entries: list, repeats: int) -> list[dict]:
 
 def bench_bytes(engine, entries: list, skill_tokens: list[int]) -> list[dict]:
     """Bytes per cached token, chunks and prefix blocks, against 2 x layers x kv_heads x head_dim x dtype."""
-    text = engine.adapter.text_config
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    ideal = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * engine.adapter.dtype.itemsize
+    ideal = kv_bytes_per_token(engine.adapter)
     out = []
     for entry in entries:
         kv = sum(t.numel() * t.element_size() for t in (*entry.keys, *entry.values))
@@ -687,11 +686,11 @@ class PrefixCacheArm:
         ad = self.adapter
         _sync()
         t0, c0 = time.perf_counter(), time.process_time()
-        hit = max((_common_prefix(k, keys) for k, _ in self.kept), default=0)
+        hit = max((common_prefix(k, keys) for k, _ in self.kept), default=0)
         hit = min(hit, ids.numel() - 1) // BLOCK * BLOCK
         cache = ad.new_cache()
         if hit:
-            source = next(c for k, c in self.kept if _common_prefix(k, keys) >= hit)
+            source = next(c for k, c in self.kept if common_prefix(k, keys) >= hit)
             for i, layer in enumerate(source.layers):
                 cache.update(layer.keys[:, :, :hit], layer.values[:, :, :hit], i)
         feats, runs = [], 0
@@ -708,11 +707,6 @@ class PrefixCacheArm:
             self.kept.append((keys, cache))
         return {"ms": wall * 1e3, "cpu_ms": cpu * 1e3, "computed_tokens": ids.numel() - hit, "vision_runs": runs,
                 "reused_tokens": hit, "next_token": int(logits[0].argmax())}
-
-
-def _common_prefix(a: list, b: list) -> int:
-    """Leading elements equal in both (compared with ==: keys hold None beside ints)."""
-    return sum(1 for _ in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(a, b)))
 
 
 @dataclass
@@ -745,7 +739,7 @@ def _agent_prompts(engine, script: list[AgentTurn], skill_id: str, file_ids: lis
         ids, pos, keys, images = _agent_prompt(engine, msgs, tenant, file_ids)
         if t:
             before = engine.splice_plan(msgs[:-2], tenant=tenant).input_ids.tolist()
-        own = _common_prefix(ids.tolist(), before)
+        own = common_prefix(ids.tolist(), before)
         new = ids.numel() - own - sum(end - start - SEAM for (start, end), image
                                       in zip(engine.adapter.image_spans(ids), images)
                                       if start >= own and image != turn.new_screenshot)
@@ -814,7 +808,7 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
                 else:
                     got[arm] = _limit_turn(ad, text, new_png, p.ids.numel(), p.new_tokens)
             plan = engine.splice_plan(_inline(p.messages, shots), tenant=tenant)  # every chunk built by now
-            hit = max(_common_prefix(_chunk_token_keys(h), _chunk_token_keys(plan)) for h in history)
+            hit = max(common_prefix(_chunk_token_keys(h), _chunk_token_keys(plan)) for h in history)
             hit = min(hit, p.ids.numel() - 1) // BLOCK * BLOCK
             images = sorted((c for c in plan.placements if c.entry.kind == "image"), key=lambda c: c.start)
             seen_now = {c.entry.key for c, i in zip(images, p.images) if i == turn.new_screenshot}

@@ -48,9 +48,8 @@ DEFAULT_BUDGET_BYTES = 256 << 20  # pending builds' features and the KV their pr
 
 def kv_bytes_per_token(adapter: VLAdapter) -> int:
     """K and V of every layer for one token, at the model's dtype."""
-    text = adapter.text_config
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * adapter.num_layers * text.num_key_value_heads * head_dim * adapter.dtype.itemsize
+    heads, head_dim = adapter.kv_shape
+    return 2 * adapter.num_layers * heads * head_dim * adapter.dtype.itemsize
 
 
 @dataclass(eq=False)

@@ -19,7 +19,6 @@ then, the pieces together equal the one forward (within float rounding).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from transformers.cache_utils import DynamicLayer
 from mmkv.adapters import ImageFeatures, VLAdapter
 from mmkv.kv.chunks import CachedChunk
 from mmkv.kv.rerotate import constant_delta, place_rows, reposition_keys, rotation
+from mmkv.store.prefix_cache import BLOCK_TOKENS, common_prefix
 
 
 @dataclass
@@ -223,11 +223,6 @@ class SlotPool:
     def nbytes(self) -> int:
         return sum(e.buf.nbytes for e in self._kept)
 
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat buffer of `numel` elements (contents undefined): a free kept one of between
-        numel and 2 x numel elements, else a new one (kept if the budget allows)."""
-        return self.lend(numel, dtype, device).buffer[:numel]
-
     def lend(self, numel: int, dtype: torch.dtype, device: torch.device, owner: object = None,
              want: list[str] = ()) -> Lent:
         """A flat buffer of at least `numel` elements (its whole room; contents undefined but for
@@ -243,7 +238,7 @@ class SlotPool:
             for e in self._kept if owner is not None and want else ():
                 if e.owner is None or e.owner() is not owner or e.buf.dtype != dtype or not self._free(e):
                     continue
-                m = len(os.path.commonprefix([e.held, tuple(want)]))
+                m = common_prefix(e.held, want)
                 if e.buf.numel() >= numel and m > in_place:
                     best, in_place = e, m
                 elif e.buf.numel() < numel and m > copy:
@@ -312,16 +307,11 @@ def pool_of(adapter: VLAdapter) -> SlotPool:
 ADAPTER_POOL = "adapter"  # `preallocate`'s default: the adapter's pool (`pool_of`)
 
 
-def _kv_shape(adapter: VLAdapter) -> tuple[int, int]:
-    text = adapter.text_config
-    return text.num_key_value_heads, getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-
-
 def _slot_layers(adapter: VLAdapter, flat: torch.Tensor, total: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (keys, values) [1, kv_heads, total, head_dim] in `flat`, laid out for as many
     tokens as it has room for: a buffer's layout depends on its size only, so a later request in
     it finds an earlier one's KV where that one left it."""
-    heads, head_dim = _kv_shape(adapter)
+    heads, head_dim = adapter.kv_shape
     room = flat.numel() // (2 * adapter.num_layers * heads * head_dim)
     grid = flat[:2 * adapter.num_layers * heads * room * head_dim].view(adapter.num_layers, 2, 1, heads, room, head_dim)
     return [(grid[i, 0, :, :, :total], grid[i, 1, :, :, :total]) for i in range(adapter.num_layers)]
@@ -330,7 +320,7 @@ def _slot_layers(adapter: VLAdapter, flat: torch.Tensor, total: int) -> list[tup
 def _lend(adapter: VLAdapter, total: int, pool: SlotPool | None | str, owner: object = None,
           want: list[str] = ()) -> tuple[SlotPool | None, Lent]:
     """A buffer for `total` tokens of KV from `pool` (None: fresh; ADAPTER_POOL: `pool_of`)."""
-    heads, head_dim = _kv_shape(adapter)
+    heads, head_dim = adapter.kv_shape
     numel = 2 * adapter.num_layers * heads * head_dim * total
     pool = pool_of(adapter) if pool == ADAPTER_POOL else pool
     if pool is None:
@@ -365,7 +355,7 @@ def _install(adapter: VLAdapter, cache: DynamicCache, flat: torch.Tensor, total:
 
 
 def prefix_slots(adapter: VLAdapter, cache: DynamicCache, total: int, pool: SlotPool | None | str = ADAPTER_POOL,
-                 owner: object = None, want: list[str] = (), block: int = 16) -> tuple[list[SlotLayer], int]:
+                 owner: object = None, want: list[str] = (), block: int = BLOCK_TOKENS) -> tuple[list[SlotLayer], int]:
     """Prompt-length layers for an empty `cache` about to take a prefix-cache hit of blocks `want`
     (keys of `owner`'s prefix cache, `block` tokens each), and how many of those blocks are in
     place already: a conversation's buffer from its last turn, kept by `pool` with those blocks at

@@ -17,6 +17,7 @@ blocks after it) with the chunk.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -196,6 +197,11 @@ def block_keys(token_ids: torch.Tensor, chunk_keys: list[str | None], salt: str,
         parent = xxhash.xxh3_128_hexdigest(parent.encode() + ids[start * 8:(start + block) * 8] + text)
         keys.append(BlockKey(parent, sources))
     return keys
+
+
+def common_prefix(a, b) -> int:
+    """How many leading elements two sequences share (compared with ==)."""
+    return sum(1 for _ in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(a, b)))
 
 
 def stored_blocks(store: KVStore, keys: list[str]) -> list[PrefixBlock | ChunkRefBlock]:
