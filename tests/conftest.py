@@ -119,3 +119,22 @@ def serve_kwargs(monkeypatch, *args: str) -> dict:
     monkeypatch.setattr(mmkv.engine.Engine, "from_pretrained", stop)
     assert CliRunner().invoke(app, ["serve", *args]).exit_code == 2
     return seen
+
+
+def forget_slot_records(engine) -> None:
+    """Drop what `engine`'s kept KV buffers remember (mmkv.request.splice.SlotPool): the next
+    request loads its whole hit from the prefix cache's blocks, as another conversation's would,
+    instead of finding its previous turn's prompt in place (its last tokens included)."""
+    with engine.slots._lock:
+        for e in engine.slots._kept:
+            e.owner, e.held, e.tail = None, (), ()
+
+
+def prefix_hit(previous: int, shared: int, prompt: int, block: int = 16) -> int:
+    """The cached tokens of a text prompt of `prompt` tokens whose first `shared` are those of the
+    conversation's previous prompt (`previous` tokens): the shared part's whole blocks, short of
+    the prompt's last token, and when those are all of the previous prompt's blocks, the rest of
+    the shared part too (the previous turn's buffer holds what followed them)."""
+    common = min(shared, prompt - 1)
+    blocks = common // block * block
+    return common if blocks == previous // block * block else blocks

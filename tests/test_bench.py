@@ -124,6 +124,8 @@ def test_agent_session_adds_up_and_matches_its_plan(report):
         assert (mmkv["background_tokens"] > 0) == (turn.new_screenshot is not None)
     assert [p["turn"] for p in a["per_turn"]] == [t["turn"] for t in rows]
     assert summary["mmkv exact"]["reused_tokens"] > summary["exact-prefix caching"]["reused_tokens"]
+    # a turn that continues the last one reuses its prompt's end too, past its last full block
+    assert any(0 < t["mmkv_kept_tail"] < 16 for t in rows)
     assert summary["full recompute"]["speedup_vs_full"] == pytest.approx(1.0)
     assert summary["exact-prefix caching"]["speedup_vs_prefix"] == pytest.approx(1.0)  # ratios of a sum to itself
     assert summary["limit"]["pct_of_limit"] == pytest.approx(100.0)
@@ -259,6 +261,9 @@ def test_windowed_session_exact_prefix_loses_what_mmkv_keeps(report, windowed):
     (["--drop-chunk", "2"], "applies with a --window"),
     (["--window", "2", "--modes", "image"], "add agent to --modes"),
     (["--window", "9", "--agent-turns", "3"], "never drops one"),
+    (["--agent-arms", "full,exact,bogus"], "unknown bogus"),
+    (["--agent-arms", "full,exact,limit"], "must include prefix and exact"),
+    (["--agent-arms", "prefix,exact", "--modes", "image"], "applies to the agent mode"),
 ])
 def test_window_out_of_range_refused(args, message):
     result = CliRunner().invoke(app, ["bench", "--config", "tiny", "--threads", "1", "--modes", "agent", *args])
@@ -273,3 +278,36 @@ def test_the_common_prefix_compares_keys_with_none_beside_ints():
     a = [(1, None), (7, 0), (7, 0), (2, None)]
     b = [(1, None), (7, 0), (7, None), (2, None)]
     assert common_prefix(a, b) == 2 and common_prefix(a, a) == 4 and common_prefix(a, []) == 0
+
+
+def test_the_median_interval_is_the_order_statistics_at_95_percent():
+    """The median's distribution-free interval: of n sorted values, the k-th from each end with
+    1 - 2 P(Binomial(n, 1/2) < k) >= 0.95 (k = 1 at n = 6, 2 at n = 9 and 10); none below 6."""
+    from mmkv.bench.run import median_interval
+
+    assert median_interval([5.0, 1.0, 3.0, 2.0, 4.0]) == {"median": 3.0, "low": None, "high": None}
+    assert median_interval([6.0, 1.0, 3.0, 2.0, 4.0, 5.0]) == {"median": 3.5, "low": 1.0, "high": 6.0}
+    assert median_interval([float(x) for x in range(9, 0, -1)]) == {"median": 5.0, "low": 2.0, "high": 8.0}
+    assert median_interval([float(x) for x in range(1, 11)]) == {"median": 5.5, "low": 2.0, "high": 9.0}
+
+
+def test_two_agent_arms_over_six_sessions_give_each_turn_an_interval(tmp_path):
+    """`--agent-arms prefix,exact`: only those two run (no full recompute: no agreement, no
+    speed-up against it); each turn's ratio is the median of the sessions' paired ratios, inside
+    its 95% interval."""
+    out = tmp_path / "pair.json"
+    result = CliRunner().invoke(app, ["bench", "--config", "tiny", "--threads", "1", "--repeats", "6", "--modes", "agent",
+                                      "--image-tokens", "16", "--skill-tokens", "64", "--agent-turns", "3",
+                                      "--agent-arms", "exact,prefix", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    a = json.loads(out.read_text())["agent"]
+    assert a["arms"] == ["exact-prefix caching", "mmkv exact"] and a["agreement"] == {}
+    assert [r["arm"] for r in a["summary"]] == a["arms"] and len(a["sessions"]) == 6
+    assert all(r["speedup_vs_full"] is None and r["pct_of_limit"] is None for r in a["summary"])
+    assert all(set(t["arms"]) == set(a["arms"]) for rows in a["sessions"] for t in rows)
+    for p, rows in zip(a["per_turn"], zip(*a["sessions"])):
+        ratios = sorted(t["arms"]["mmkv exact"]["cpu_ms"] / t["arms"]["exact-prefix caching"]["cpu_ms"] for t in rows)
+        assert p["interval_cpu"] == [ratios[0], ratios[-1]]  # k = 1 at n = 6
+        assert ratios[0] <= p["mmkv_over_prefix_cpu"] <= ratios[-1]
+    assert "| exact-prefix caching |" in result.output and "| - |" in result.output
+    assert f"[{a['per_turn'][0]['interval_cpu'][0]:.2f}-" in result.output

@@ -17,7 +17,7 @@ from mmkv.request.splice import prefill_full, prefill_spliced, splice_layout
 from mmkv.server.app import ServerSettings, create_app
 from mmkv.testing.tiny import FAMILIES
 
-from conftest import make_png
+from conftest import forget_slot_records, make_png
 from test_server import LiveServer
 
 TOL = 1e-4  # float32 logits
@@ -95,7 +95,9 @@ def test_blend_zero_is_the_plain_splice(qwen25):
     prefix-cache blocks (no blend salt), no blend report."""
     messages = _chat(qwen25, seed=2)
     plain = qwen25.generate(messages, max_new_tokens=1)
+    forget_slot_records(qwen25)  # each loads the blocks the first stored, not its whole prompt from its buffer
     zero = qwen25.generate(messages, max_new_tokens=1, blend=0.0)
+    forget_slot_records(qwen25)
     kinds = qwen25.generate(messages, max_new_tokens=1, blend={"image": 0, "skill": 0.0}, blend_select="stride")
     for r in (zero, kinds):
         assert torch.equal(r.first_logits, plain.first_logits)
@@ -178,6 +180,7 @@ def test_blended_prefix_blocks_hold_the_recomputed_kv(qwen25):
     again = qwen25.generate(messages, max_new_tokens=1, blend=0.5, blend_select="stride")
     assert again.prefix_tokens_reused > first.prefix_tokens_reused
     assert (again.first_logits - first.first_logits).abs().max().item() <= TOL
+    forget_slot_records(qwen25)  # the plain prompt's blocks from the store, not its buffer: bit for bit
     assert torch.equal(_first(qwen25, messages), plain)
 
 

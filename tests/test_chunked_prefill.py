@@ -17,7 +17,7 @@ import torch
 from mmkv import Engine
 from mmkv.request.scheduler import Scheduler
 
-from conftest import make_png
+from conftest import forget_slot_records, make_png
 
 TOL = 1e-5  # float32: a chunk changes only the matmul shapes
 TEXT = "a refund is allowed only when the order status is delivered . otherwise escalate . "
@@ -90,6 +90,7 @@ def test_chunked_forward_after_a_prefix_cache_hit(engine):
     turn1 = [{"role": "system", "content": TEXT * 3}, {"role": "user", "content": [_image(engine, "prefix-chunks", 7),
                                                                                    {"type": "text", "text": "shape ?"}]}]
     engine.generate(turn1, max_new_tokens=1, tenant="prefix-chunks")  # its blocks go into the prefix cache
+    forget_slot_records(engine)  # every run below loads them from there (none finds turn 1's prompt in place)
     turn2 = turn1 + [{"role": "assistant", "content": "a circle"}, {"role": "user", "content": TEXT}]
     whole = engine.start(turn2, max_new_tokens=1, tenant="prefix-chunks")
     with engine._lock:

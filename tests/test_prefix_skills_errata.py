@@ -13,7 +13,7 @@ from mmkv.request.oracle import block_masked_logits
 from mmkv.store.prefix_cache import BLOCK_TOKENS, block_keys
 from mmkv.request.splice import prefill_spliced
 
-from conftest import INIT, _rope, make_png
+from conftest import INIT, _rope, forget_slot_records, make_png, prefix_hit
 
 TOL = 1e-4  # float32 logits
 
@@ -39,12 +39,15 @@ def test_turn_two_reuses_turn_one(engine):
     turn2 = turn1 + [{"role": "assistant", "content": "no"}, {"role": "user", "content": "and now ?"}]
     second = engine.generate(turn2, max_new_tokens=2, tenant="prefix")
     l1 = first.usage.prompt_tokens
-    assert second.usage.cached_tokens == second.prefix_tokens_reused == (l1 // BLOCK_TOKENS) * BLOCK_TOKENS
+    assert second.usage.cached_tokens == second.prefix_tokens_reused == prefix_hit(l1, l1, second.usage.prompt_tokens)
     assert second.lm_tokens_computed == second.usage.prompt_tokens - second.usage.cached_tokens
     full = engine.generate(turn2, max_new_tokens=2, reuse=False, tenant="prefix")
     assert (second.first_logits - full.first_logits).abs().max().item() <= TOL
     again = engine.generate(turn2, max_new_tokens=2, tenant="prefix")  # identical prompt: capped at len-1
-    assert again.usage.cached_tokens == ((again.usage.prompt_tokens - 1) // BLOCK_TOKENS) * BLOCK_TOKENS
+    assert again.usage.cached_tokens == again.usage.prompt_tokens - 1  # its buffer held the last block's rest
+    forget_slot_records(engine)
+    loaded = engine.generate(turn2, max_new_tokens=2, tenant="prefix")  # from the prefix cache's blocks only
+    assert loaded.usage.cached_tokens == ((loaded.usage.prompt_tokens - 1) // BLOCK_TOKENS) * BLOCK_TOKENS
     engine.check_integrity()
 
 
@@ -242,7 +245,8 @@ def test_edit_policies_recompute_what_they_say(engine, policy):
         assert r.usage.cached_tokens == (a // BLOCK_TOKENS) * BLOCK_TOKENS
     elif policy == "erratum":
         assert e.erratum == erratum_line("order_status", "shipped")
-        assert r.usage.cached_tokens == covered and l2 == l1 + len(engine.adapter.tokenizer(
+        kept = l1 - len(engine.adapter.tokenizer("<|im_start|>assistant\n")["input_ids"])
+        assert r.usage.cached_tokens == prefix_hit(l1, kept + 1, l2) and l2 == l1 + len(engine.adapter.tokenizer(
             "<|im_start|>user\n" + e.erratum + "\n<|im_end|>\n")["input_ids"])
     else:
         k = 5 if policy.startswith("selective") else 0

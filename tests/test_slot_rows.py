@@ -15,7 +15,7 @@ from mmkv.request.oracle import block_masked_logits
 from mmkv.request.splice import SlotPool, _slot_layers
 from mmkv.testing.tiny import FAMILIES
 
-from conftest import make_png, serve_kwargs
+from conftest import forget_slot_records, make_png, serve_kwargs
 
 TOL = 1e-4  # float32 logits against one block-masked forward (mmkv.request.oracle)
 F32, CPU = torch.float32, torch.device("cpu")
@@ -79,6 +79,38 @@ def test_a_conversation_that_outgrew_its_buffer_copies_from_it_and_drops_it():
     assert all(e.buf.untyped_storage().data_ptr() != old for e in pool._kept)
 
 
+def test_a_records_tail_counts_only_right_after_exactly_its_blocks():
+    """The tokens a prompt ended with (after its last full block) are held only for a hit of
+    exactly those blocks: a longer hit loads its next block from the store over them, a shorter
+    one leaves them after a block it does not have."""
+    pool, owner = SlotPool(budget=1 << 20), Owner()
+
+    def lend_after(want, after, numel=1000):
+        lent = pool.lend(numel, F32, CPU, owner, want, after)
+        pool.hold(lent.buffer, owner, ["a", "b"], (5, 6, 7))
+        return lent.in_place, lent.tail
+
+    pool.hold(pool.lend(1000, F32, CPU).buffer, owner, ["a", "b"], (5, 6, 7))
+    gc.collect()
+    assert lend_after(["a", "b"], (5, 6, 7, 8)) == (2, 3)  # a later turn: the whole tail
+    gc.collect()
+    assert lend_after(["a", "b"], (5, 6, 9)) == (2, 2)  # up to where the prompts part
+    gc.collect()
+    assert lend_after(["a", "b", "c"], (1, 2)) == (2, 0)  # block c comes from the store
+    gc.collect()
+    assert lend_after(["a"], (5, 6, 7)) == (1, 0)  # the tail follows block b, not a
+    gc.collect()
+    assert pool.tail_tokens == 5
+    small = pool.lend(1000, F32, CPU, owner, ["a", "b"], (5, 6, 7, 8))  # outgrown: copied with its blocks
+    pool.hold(small.buffer, owner, ["a", "b"], (5, 6, 7))
+    del small
+    gc.collect()
+    big = pool.lend(9000, F32, CPU, owner, ["a", "b"], (5, 6, 7, 8))
+    assert (big.in_place, big.source_blocks, big.tail) == (0, 2, 3)
+    pool.copied(big)
+    assert pool.tail_tokens == 11
+
+
 def test_a_plain_loan_prefers_a_buffer_without_a_record():
     pool, owner = SlotPool(budget=1 << 20), Owner()
     a, b = pool.lend(1000, F32, CPU), pool.lend(1000, F32, CPU)
@@ -119,12 +151,6 @@ def _turns(engine, tenant: str, extra: str = ""):
     return first, second
 
 
-def _forget_records(engine):
-    with engine.slots._lock:
-        for e in engine.slots._kept:
-            e.owner, e.held = None, ()
-
-
 def _off_oracle(engine, msgs, tenant, logits) -> float:
     """How far `logits` are from one block-masked forward of the spliced prompt (mmkv.request.oracle)."""
     plan = engine.splice_plan(msgs, tenant=tenant)
@@ -140,27 +166,44 @@ def _logits(engine, msgs, tenant):
 
 def _second_turn(engine, tenant, second_of=None, forget=False):
     """Turn 1, then turn 2 (`second_of(first)`, default `_turns`' second): its logits, cached
-    tokens, and the blocks it found in place and copied (the engine's pool's counters). `forget`: the
-    records are dropped in between, so turn 2 loads its hit from the prefix cache."""
+    tokens, the blocks it found in place and copied and the tokens after them (the engine's pool's
+    counters), and turn 1's prompt length. `forget`: the records are dropped in between, so turn 2
+    loads its hit from the prefix cache."""
     first, second = _turns(engine, tenant)
     second = second_of(first) if second_of is not None else second
-    engine.generate(first, max_new_tokens=1, tenant=tenant)
+    n1 = engine.generate(first, max_new_tokens=1, tenant=tenant).usage.prompt_tokens
     if forget:
-        _forget_records(engine)
-    in_place, copied = engine.slots.in_place_blocks, engine.slots.copied_blocks
+        forget_slot_records(engine)
+    pool = engine.slots
+    in_place, copied, tail = pool.in_place_blocks, pool.copied_blocks, pool.tail_tokens
     logits, cached = _logits(engine, second, tenant)
-    return logits, cached, engine.slots.in_place_blocks - in_place, engine.slots.copied_blocks - copied, second
+    return (logits, cached, pool.in_place_blocks - in_place, pool.copied_blocks - copied, second,
+            pool.tail_tokens - tail, n1)
 
 
 def test_the_next_turn_finds_its_hit_in_place_and_answers_as_loaded(engine):
-    """Turn 2 of a conversation gets turn 1's buffer with every block it hit in place, and its
-    logits equal (bit for bit) the same turn loading those blocks from the prefix cache (another
-    tenant, the same tokens), and one block-masked forward of the model within TOL."""
-    logits, cached, in_place, copied, second = _second_turn(engine, "rows-in-place")
-    assert cached > 0 and in_place * 16 == cached and copied == 0, "every block of the hit was in place"
-    loaded, cached_loaded, in_place_loaded, _, _ = _second_turn(engine, "rows-loaded", forget=True)
-    assert cached_loaded == cached and in_place_loaded == 0 and torch.equal(logits, loaded)
+    """Turn 2 of a conversation gets turn 1's buffer with every block it hit in place and, after
+    them, the tokens turn 1's prompt ended with: all of turn 1's prompt is reused. Its logits equal
+    the same turn loading its blocks from the prefix cache (another tenant, the same tokens; it
+    computes those last tokens again) and one block-masked forward of the model, within TOL."""
+    logits, cached, in_place, copied, second, tail, n1 = _second_turn(engine, "rows-in-place")
+    assert 0 < tail < 16 and cached == in_place * 16 + tail == n1 and copied == 0, "all of turn 1 was in place"
+    loaded, cached_loaded, in_place_loaded, _, _, tail_loaded, _ = _second_turn(engine, "rows-loaded", forget=True)
+    assert cached_loaded == cached - tail and in_place_loaded == tail_loaded == 0
+    assert (logits - loaded).abs().max().item() < TOL
     assert _off_oracle(engine, second, "rows-in-place", logits) < TOL
+
+
+def test_the_same_prompt_again_computes_its_last_token_only(engine):
+    """A prompt sent again (a retry, another sample) reuses all of its KV but the last token, whose
+    logits the turn needs: they equal the first answer's within TOL."""
+    tenant = "rows-again"
+    first, _ = _turns(engine, tenant, extra=" (again)")
+    one = engine.generate(first, max_new_tokens=1, tenant=tenant)
+    two = engine.generate(first, max_new_tokens=1, tenant=tenant)
+    assert two.usage.cached_tokens == one.usage.prompt_tokens - 1 and two.lm_tokens_computed == 1
+    assert (one.first_logits - two.first_logits).abs().max().item() < TOL
+    assert _off_oracle(engine, first, tenant, two.first_logits) < TOL
 
 
 def _longer(first):
@@ -169,10 +212,12 @@ def _longer(first):
 
 
 def test_a_turn_that_outgrew_its_buffer_copies_the_hit_and_answers_as_loaded(engine):
-    logits, cached, in_place, copied, second = _second_turn(engine, "rows-outgrown", _longer)
-    assert cached > 0 and copied * 16 == cached and in_place == 0
-    loaded, cached_loaded, _, copied_loaded, _ = _second_turn(engine, "rows-outgrown-loaded", _longer, forget=True)
-    assert cached_loaded == cached and copied_loaded == 0 and torch.equal(logits, loaded)
+    logits, cached, in_place, copied, second, tail, n1 = _second_turn(engine, "rows-outgrown", _longer)
+    assert 0 < tail < 16 and cached == copied * 16 + tail == n1 and in_place == 0
+    loaded, cached_loaded, _, copied_loaded, _, tail_loaded, _ = _second_turn(engine, "rows-outgrown-loaded", _longer,
+                                                                              forget=True)
+    assert cached_loaded == cached - tail and copied_loaded == tail_loaded == 0
+    assert (logits - loaded).abs().max().item() < TOL
     assert _off_oracle(engine, second, "rows-outgrown", logits) < TOL
 
 
@@ -186,10 +231,10 @@ def test_a_deleted_images_blocks_never_come_back_from_a_buffer(engine):
     file_id = first[1]["content"][0]["image_file"]["file_id"]
     engine.remove_image(file_id, tenant=tenant)
     second = [second[0], {"role": "user", "content": [_img(engine, 1, tenant), *second[1]["content"][1:]]}, *second[2:]]
-    before = engine.slots.in_place_blocks
+    before, tail = engine.slots.in_place_blocks, engine.slots.tail_tokens
     logits, cached = _logits(engine, second, tenant)
     image_at = engine.splice_plan(second, tenant=tenant).placements[0].start
-    assert (engine.slots.in_place_blocks - before) * 16 <= image_at
+    assert (engine.slots.in_place_blocks - before) * 16 <= image_at and engine.slots.tail_tokens == tail
     assert _off_oracle(engine, second, tenant, logits) < TOL
 
 
@@ -213,9 +258,9 @@ def test_a_turn_that_fails_leaves_no_record_of_what_it_wrote(engine, monkeypatch
     monkeypatch.setattr(engine.adapter, "forward", real)
     assert calls["n"] == 1
     gc.collect()
-    before = engine.slots.in_place_blocks
+    before, tail = engine.slots.in_place_blocks, engine.slots.tail_tokens
     logits, _ = _logits(engine, second, tenant)
-    assert engine.slots.in_place_blocks == before
+    assert engine.slots.in_place_blocks == before and engine.slots.tail_tokens == tail
     assert _off_oracle(engine, second, tenant, logits) < TOL
 
 
@@ -227,6 +272,7 @@ def test_the_engine_states_its_pools_budget_and_what_it_held_in_place(engine):
     assert 0 < stats["slot_bytes"] <= stats["slot_budget_bytes"]
     assert stats["slot_in_place_tokens"] == engine.slots.in_place_blocks * 16 > 0
     assert stats["slot_copied_tokens"] == engine.slots.copied_blocks * 16 > 0
+    assert stats["slot_tail_tokens"] == engine.slots.tail_tokens > 0
 
 
 def test_no_pool_keeps_nothing_and_answers_the_same(tiny_dirs):
@@ -236,10 +282,10 @@ def test_no_pool_keeps_nothing_and_answers_the_same(tiny_dirs):
         Engine.from_pretrained(tiny_dirs[FAMILIES[0]], dtype=torch.float32, device="cpu", slot_bytes=-1)
     assert err.value.param == "slot_bytes"
     none = Engine.from_pretrained(tiny_dirs[FAMILIES[0]], dtype=torch.float32, device="cpu", slot_bytes=0)
-    logits, cached, in_place, copied, _ = _second_turn(none, "rows-none")
-    assert cached > 0 and in_place == copied == 0 and none.stats()["slot_bytes"] == 0
+    logits, cached, in_place, copied, _, tail, _ = _second_turn(none, "rows-none")
+    assert cached > 0 and in_place == copied == tail == 0 and none.stats()["slot_bytes"] == 0
     kept = Engine.from_pretrained(tiny_dirs[FAMILIES[0]], dtype=torch.float32, device="cpu")
-    assert torch.equal(logits, _second_turn(kept, "rows-none")[0])
+    assert (logits - _second_turn(kept, "rows-none")[0]).abs().max().item() < TOL
 
 
 def test_metrics_and_the_serve_flag_carry_the_pool(engine, monkeypatch):
@@ -252,6 +298,7 @@ def test_metrics_and_the_serve_flag_carry_the_pool(engine, monkeypatch):
         got = live.metrics()
         assert got["mmkv:slot_pool_budget_bytes"] == engine.settings.slot_bytes
         assert got["mmkv:slot_in_place_tokens_total"] == engine.slots.in_place_blocks * 16 > 0
+        assert got["mmkv:slot_tail_tokens_total"] == engine.slots.tail_tokens > 0
     finally:
         live.close()
     seen = serve_kwargs(monkeypatch, "--slot-mb", "64")

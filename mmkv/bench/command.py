@@ -34,8 +34,10 @@ them `--drop-chunk` at a time, and reports each arm's TTFT, tokens computed and 
 turn and summed over the turns: full recompute, exact-prefix caching, encoder cache + prefix
 caching, mmkv exact (screenshots sent inline: a new one computed in context, its chunk built in the
 background after the turn, untimed; earlier ones spliced; the text after a dropped screenshot
-recomputed), the limit; per turn, mmkv exact / exact-prefix caching and the background build's time.
-mmkv composed (`history_policy: "compose"`) is not built yet, so not measured.
+recomputed), mmkv composed (`history_policy: "compose"`), the limit; per turn, mmkv exact /
+exact-prefix caching (each session's two times paired: their median ratio and, from 6 sessions, its
+95% interval) and the background build's time. `--agent-arms prefix,exact` runs those two only:
+more sessions in the same time.
 
     mmkv bench --modes agent --agent-turns 16 --window 5                  # UI-TARS: keeps 5, drops one at a time
     mmkv bench --modes agent --agent-turns 16 --window 3 --drop-chunk 3   # Anthropic's loop: keeps 3, drops 3 at a time
@@ -118,8 +120,8 @@ def format_agent(a: dict) -> str:
              f"cumulative over the turns, median of {a['repeats']} sessions)",
              "| arm | cumulative TTFT ms | CPU ms | speed-up vs full | vs exact-prefix | % of limit "
              "| LM tokens computed | vision runs | tokens reused |", "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['arm']} | {r['ms']:.1f} | {r['cpu_ms']:.1f} | {r['speedup_vs_full']:.2f}x | "
-              f"{r['speedup_vs_prefix']:.2f}x | {r['pct_of_limit']:.0f}% | {r['computed_tokens']} | "
+    lines += [f"| {r['arm']} | {r['ms']:.1f} | {r['cpu_ms']:.1f} | {_opt(r['speedup_vs_full'], '.2f', 'x')} | "
+              f"{r['speedup_vs_prefix']:.2f}x | {_opt(r['pct_of_limit'], '.0f', '%')} | {r['computed_tokens']} | "
               f"{r['vision_runs']} | {r['reused_tokens']} |" for r in a["summary"]]
     lines += ["", "per turn, each arm's TTFT ms / LM tokens computed / tokens reused (the last session); mmkv exact "
               "against exact-prefix caching, TTFT (CPU time to the first token), and mmkv's background build after "
@@ -130,16 +132,32 @@ def format_agent(a: dict) -> str:
     lines += [f"| {t['turn']} | {t['events']} | {_sent(t, before)} | {t['prompt_tokens']} | {t['new_tokens']} | "
               + " | ".join(f"{t['arms'][arm]['ms']:.0f} / {t['arms'][arm]['computed_tokens']} / "
                            f"{t['arms'][arm]['reused_tokens']}" for arm in arms)
-              + f" | {t['mmkv_expected_reused']} | {p['mmkv_over_prefix_ms']:.2f}x ({p['mmkv_over_prefix_cpu']:.2f}x) | "
+              + f" | {t['mmkv_expected_reused']} | {_ratio(p['mmkv_over_prefix_ms'], p['interval_ms'])} "
+                f"({_ratio(p['mmkv_over_prefix_cpu'], p['interval_cpu'])}) | "
                 f"{p['background_ms']:.0f} |" for before, t, p in zip([None, *last], last, a["per_turn"])]
     worst = max(a["per_turn"], key=lambda p: p["mmkv_over_prefix_cpu"])
-    lines += [f"\nmmkv exact / exact-prefix caching, per turn: at most {worst['mmkv_over_prefix_cpu']:.2f}x in CPU "
-              f"time (turn {worst['turn']}), at most {max(p['mmkv_over_prefix_ms'] for p in a['per_turn']):.2f}x in "
-              "wall time. A screenshot first seen in a turn is computed in its context; its reusable chunk is built "
-              "after the turn, untimed (an agent's environment step is the idle time: the background build ms column)."]
+    above = [p["turn"] for p in a["per_turn"] if (p["interval_cpu"][0] or 0) > 1]
+    lines += [f"\nmmkv exact / exact-prefix caching, per turn (median over the sessions of each session's ratio): at "
+              f"most {worst['mmkv_over_prefix_cpu']:.2f}x in CPU time (turn {worst['turn']}), at most "
+              f"{max(p['mmkv_over_prefix_ms'] for p in a['per_turn']):.2f}x in wall time; "
+              + (f"turns whose whole 95% interval (CPU) lies above 1.00x: {', '.join(map(str, above))}. " if above else
+                 "no turn's 95% interval (CPU) lies wholly above 1.00x. " if a["repeats"] >= 6 else
+                 "intervals need 6 sessions or more. ")
+              + "A screenshot first seen in a turn is computed in its context; its reusable chunk is built after the "
+                "turn, untimed (an agent's environment step is the idle time: the background build ms column)."]
     lines += [f"\n{arm}: next token as full recompute's on {g['k']} of {g['n']} turns (exact 95% interval "
               f"{g['low']:.3f}-{g['high']:.3f})" for arm, g in a["agreement"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _opt(value: float | None, spec: str, unit: str) -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"
+
+
+def _ratio(median: float, interval: list) -> str:
+    """A median ratio, with its 95% interval when there is one."""
+    low, high = interval
+    return f"{median:.2f}x" + ("" if low is None else f" [{low:.2f}-{high:.2f}]")
 
 
 def format_bytes(rows: list[dict]) -> str:
@@ -184,6 +202,22 @@ def _check_window(window: int, drop_chunk: int, modes: list[str]) -> None:
         raise typer.BadParameter(f"must be 1 to --window ({window}), got {drop_chunk}", param_hint="--drop-chunk")
     if window and "agent" not in modes:
         raise typer.BadParameter("applies to the agent mode: add agent to --modes", param_hint="--window")
+
+
+def _agent_arms(value: str, modes: list[str]) -> tuple[str, ...]:
+    """--agent-arms: short names of `AGENT_ARM_NAMES`, exact-prefix caching and mmkv exact among them."""
+    from mmkv.bench.run import AGENT_ARM_NAMES, AGENT_ARMS, AGENT_PAIR
+
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if unknown := [n for n in names if n not in AGENT_ARM_NAMES]:
+        raise typer.BadParameter(f"unknown {', '.join(unknown)}; expected some of {', '.join(AGENT_ARM_NAMES)}",
+                                 param_hint="--agent-arms")
+    arms = tuple(AGENT_ARM_NAMES[n] for n in names)
+    if any(arm not in arms for arm in AGENT_PAIR):
+        raise typer.BadParameter("must include prefix and exact (the per-turn comparison)", param_hint="--agent-arms")
+    if set(arms) != set(AGENT_ARMS) and "agent" not in modes:
+        raise typer.BadParameter("applies to the agent mode: add agent to --modes", param_hint="--agent-arms")
+    return arms
 
 
 def _check_window_drops(window: int, agent_turns: int, seed: int) -> None:
@@ -259,6 +293,9 @@ def bench_command(
                                                    "each).")] = "8,32,64",
     group_tokens: Annotated[int, typer.Option(help="video: tokens of one temporal group (a square "
                                                    "number).")] = 16,
+    agent_arms: Annotated[str, typer.Option(help="agent: the arms to run, of full, prefix, encoder, exact, composed, "
+                                                 "limit (prefix and exact always).")]
+    = "full,prefix,encoder,exact,composed,limit",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write every figure to this file.")] = None,
 ) -> None:
     """Where a turn's time goes: full recompute, prefix caching, encoder cache, mmkv splice, the limit."""
@@ -271,6 +308,7 @@ def bench_command(
     if config not in CONFIGS:
         raise typer.BadParameter(f"expected one of {', '.join(CONFIGS)}", param_hint="--config")
     _check_window(window, drop_chunk, chosen)
+    arms = _agent_arms(agent_arms, chosen)
     images, skills = _ints(image_tokens, "--image-tokens"), _ints(skill_tokens, "--skill-tokens")
     ratios = _ratios(blend)
     videos = _video_groups(video_groups, group_tokens)
@@ -289,7 +327,7 @@ def bench_command(
         engine = build_engine(config, model_dir, device, dtype, max(images, default=256))
         report = run_bench(engine, chosen, repeats, threads, images, skills, policy_tokens, turns,
                            lambda kind, figures: typer.echo(FORMATS[kind](figures)), agent_turns, seed, window,
-                           drop_chunk, videos, group_tokens)
+                           drop_chunk, videos, group_tokens, arms)
         if "blend" in chosen:
             report["blend"] = _run_blend(engine, images, skills, repeats, ratios)
     except (BenchError, MMKVError) as exc:

@@ -4,6 +4,8 @@ turns timed interleaved, one table per case."""
 from __future__ import annotations
 
 import io
+import itertools
+import math
 import os
 import platform
 import random
@@ -724,6 +726,8 @@ class AgentPrompt:
 
 AGENT_ARMS = ("full recompute", "exact-prefix caching", "encoder cache + prefix caching", "mmkv exact", "mmkv composed",
               "limit")
+AGENT_ARM_NAMES = dict(zip(("full", "prefix", "encoder", "exact", "composed", "limit"), AGENT_ARMS))  # --agent-arms
+AGENT_PAIR = ("exact-prefix caching", "mmkv exact")  # the per-turn comparison: always run
 
 
 def _agent_prompts(engine, script: list[AgentTurn], skill_id: str, file_ids: list[str], tenant: str,
@@ -749,7 +753,7 @@ def _agent_prompts(engine, script: list[AgentTurn], skill_id: str, file_ids: lis
 
 
 def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, skill_tokens: int,
-                text: TextContext, window: int = 0, drop_chunk: int = 1) -> dict:
+                text: TextContext, window: int = 0, drop_chunk: int = 1, arms: tuple[str, ...] = AGENT_ARMS) -> dict:
     """Cumulative and per-turn TTFT over a seeded agent session (`agent_script`) whose client keeps
     the last `window` screenshots (0: all), dropping them `drop_chunk` at a time; the arms
     interleaved turn by turn (`AGENT_ARMS`), each session `repeats` times with fresh caches: full
@@ -759,8 +763,11 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
     checked against full recompute's: `agreement`) and the limit (`_limit_turn`). Every caching arm
     is first served one turn of an earlier session (the shared system prompt, untimed), as a server
     would have been. Each mmkv turn's reused tokens are checked against what the plan says: the
-    longest block prefix of an earlier prompt, plus the spliced chunks after it (all but each seam
-    token; a screenshot new in the turn is computed in context, first sight)."""
+    longest block prefix of an earlier prompt, the text after it that the previous turn's buffer
+    still holds (`_kept_tail`), plus the spliced chunks after it (all but each seam token; a
+    screenshot new in the turn is computed in context, first sight). `arms` (of `AGENT_ARMS`,
+    `AGENT_PAIR` among them) runs only those: more sessions of the per-turn comparison in the
+    same time."""
     from mmkv.engine import image_id_for
     from mmkv.request.splice import splice_layout
 
@@ -777,26 +784,31 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
     warm = [_agent_system(skill_id), {"role": "user", "content": "hello , a new session ."}]
     prompts = _agent_prompts(engine, script, skill_id, file_ids, plan_tenant, window, drop_chunk, warm)
     warm_prompt = _agent_prompt(engine, warm, plan_tenant, [])
-    text._ensure(max(p.ids.numel() for p in prompts))  # the limit's context, built once, untimed
+    arms = tuple(a for a in AGENT_ARMS if a in arms)
+    if "limit" in arms:
+        text._ensure(max(p.ids.numel() for p in prompts))  # the limit's context, built once, untimed
     sessions = []
     for r in range(repeats):
         tenant = f"agent-{seed}-{r}"
         engine.add_skill("spec", _text_of(ad.tokenizer, skill_tokens, SKILL_SENTENCE), tenant=tenant)
         mechanism = dict(zip(AGENT_ARMS, (PrefixCacheArm(ad, pngs, keep=False), PrefixCacheArm(ad, pngs, keep=True),
                                           PrefixCacheArm(ad, pngs, keep=True, encoder_cache=True))))
+        mechanism = {arm: m for arm, m in mechanism.items() if arm in arms}
         engine.generate(warm, max_new_tokens=1, tenant=tenant)
         composed = f"{tenant}-composed"  # its own namespace: its turns and blocks apart from mmkv exact's
-        engine.add_skill("spec", _text_of(ad.tokenizer, skill_tokens, SKILL_SENTENCE), tenant=composed)
-        engine.generate(warm, max_new_tokens=1, tenant=composed, history_policy="compose")
-        for arm in list(mechanism.values())[1:]:
-            arm.turn(*warm_prompt)
+        if "mmkv composed" in arms:
+            engine.add_skill("spec", _text_of(ad.tokenizer, skill_tokens, SKILL_SENTENCE), tenant=composed)
+            engine.generate(warm, max_new_tokens=1, tenant=composed, history_policy="compose")
+        for arm in mechanism.values():
+            if arm.keep:
+                arm.turn(*warm_prompt)
         history = [engine.splice_plan(warm, tenant=tenant)]
         rows, shots = [], {}  # the screenshots the mmkv client has prepared, by file id
         for t, (turn, p) in enumerate(zip(script, prompts)):
             new_png = pngs[turn.new_screenshot] if turn.new_screenshot is not None else None
             got = {}
-            first = t % len(AGENT_ARMS)
-            for arm in AGENT_ARMS[first:] + AGENT_ARMS[:first]:  # rotated so no arm always runs first
+            first = t % len(arms)
+            for arm in arms[first:] + arms[:first]:  # rotated so no arm always runs first
                 if arm in mechanism:
                     got[arm] = mechanism[arm].turn(p.ids, p.positions, p.keys, p.images)
                 elif arm == "mmkv exact":
@@ -810,6 +822,7 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
             plan = engine.splice_plan(_inline(p.messages, shots), tenant=tenant)  # every chunk built by now
             hit = max(common_prefix(_chunk_token_keys(h), _chunk_token_keys(plan)) for h in history)
             hit = min(hit, p.ids.numel() - 1) // BLOCK * BLOCK
+            tail = _kept_tail(_chunk_token_keys(history[-1]), _chunk_token_keys(plan), hit)
             images = sorted((c for c in plan.placements if c.entry.kind == "image"), key=lambda c: c.start)
             seen_now = {c.entry.key for c, i in zip(images, p.images) if i == turn.new_screenshot}
             spliced = sum(b - a for c, a, b in splice_layout(plan.placements, p.ids.numel(), hit, SEAM).reused
@@ -817,52 +830,68 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
             history.append(plan)
             rows.append({"turn": t + 1, "events": turn.events(), "prompt_tokens": int(p.ids.numel()),
                          "new_tokens": p.new_tokens, "screenshots": len(p.images), "dropped": p.dropped,
-                         "arms": got, "mmkv_expected_reused": hit + spliced})
+                         "arms": got, "mmkv_expected_reused": hit + tail + spliced, "mmkv_kept_tail": tail})
         sessions.append(rows)
     return {"turns": turns, "seed": seed, "repeats": repeats, "image_tokens": image_tokens, "window": window,
             "drop_chunk": drop_chunk, "skill_tokens": engine.skill_info(skill_id, tenant=skill_tenant).tokens,
-            "script": [asdict(t) for t in script], "summary": _agent_summary(sessions),
-            "agreement": _agent_agreement(sessions), "per_turn": _agent_per_turn(sessions), "sessions": sessions}
+            "arms": list(arms), "script": [asdict(t) for t in script], "summary": _agent_summary(sessions, arms),
+            "agreement": _agent_agreement(sessions, arms), "per_turn": _agent_per_turn(sessions), "sessions": sessions}
+
+
+def median_interval(values: list[float]) -> dict:
+    """The median of `values` and its distribution-free 95% interval: order statistics, exact
+    binomial coverage (scipy's `quantile_test`); None below 6 values, which cannot reach 95%."""
+    from scipy.stats import quantile_test
+
+    med = statistics.median(values)
+    ci = quantile_test(values, q=med, p=0.5).confidence_interval(confidence_level=0.95)
+    bounded = len(values) >= 6 and not math.isnan(ci.low)
+    return {"median": med, "low": float(ci.low) if bounded else None, "high": float(ci.high) if bounded else None}
 
 
 def _agent_per_turn(sessions: list[list[dict]]) -> list[dict]:
-    """Per turn, medians over the sessions: mmkv exact against exact-prefix caching (wall and CPU
-    time to the first token) and the background build that followed the turn, untimed in it."""
+    """Per turn, over the sessions: mmkv exact against exact-prefix caching, the two arms' wall and
+    CPU time to the first token paired within each session (the arms ran one after the other on
+    the same turn), their ratio's median and its 95% interval (`median_interval`), and the median
+    background build that followed the turn, untimed in it."""
     out = []
     for rows in zip(*sessions):
         mmkv, prefix = ([row["arms"][arm] for row in rows] for arm in ("mmkv exact", "exact-prefix caching"))
+        ratio = {key: median_interval([m[key] / p[key] for m, p in zip(mmkv, prefix)]) for key in ("ms", "cpu_ms")}
         med = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
-        out.append({"turn": rows[0]["turn"], "mmkv_over_prefix_ms": med(mmkv, "ms") / med(prefix, "ms"),
-                    "mmkv_over_prefix_cpu": med(mmkv, "cpu_ms") / med(prefix, "cpu_ms"),
+        out.append({"turn": rows[0]["turn"], "mmkv_over_prefix_ms": ratio["ms"]["median"],
+                    "mmkv_over_prefix_cpu": ratio["cpu_ms"]["median"],
+                    "interval_ms": [ratio["ms"]["low"], ratio["ms"]["high"]],
+                    "interval_cpu": [ratio["cpu_ms"]["low"], ratio["cpu_ms"]["high"]],
                     "background_ms": med(mmkv, "background_ms"), "background_tokens": med(mmkv, "background_tokens")})
     return out
 
 
-def _agent_summary(sessions: list[list[dict]]) -> list[dict]:
-    """Per arm: each session's sums over its turns, the median session's times, the ratios between
-    arms from CPU time."""
+def _agent_summary(sessions: list[list[dict]], arms: tuple[str, ...] = AGENT_ARMS) -> list[dict]:
+    """Per arm run: each session's sums over its turns, the median session's times, the ratios
+    between arms from CPU time (None against an arm not run)."""
     totals = {arm: {key: [sum(row["arms"][arm][key] for row in rows) for rows in sessions]
                     for key in ("ms", "cpu_ms", "computed_tokens", "vision_runs", "reused_tokens")}
-              for arm in AGENT_ARMS}
+              for arm in arms}
     summary = [{"arm": arm, "ms": statistics.median(totals[arm]["ms"]), "cpu_ms": statistics.median(totals[arm]["cpu_ms"]),
                 "computed_tokens": totals[arm]["computed_tokens"][-1], "vision_runs": totals[arm]["vision_runs"][-1],
                 "reused_tokens": totals[arm]["reused_tokens"][-1], "runs_ms": totals[arm]["ms"],
-                "runs_cpu_ms": totals[arm]["cpu_ms"]} for arm in AGENT_ARMS]
+                "runs_cpu_ms": totals[arm]["cpu_ms"]} for arm in arms]
     cpu = {row["arm"]: row["cpu_ms"] for row in summary}
     for row in summary:
-        row["speedup_vs_full"] = cpu["full recompute"] / row["cpu_ms"]
+        row["speedup_vs_full"] = cpu["full recompute"] / row["cpu_ms"] if "full recompute" in cpu else None
         row["speedup_vs_prefix"] = cpu["exact-prefix caching"] / row["cpu_ms"]
-        row["pct_of_limit"] = 100 * cpu["limit"] / row["cpu_ms"]
+        row["pct_of_limit"] = 100 * cpu["limit"] / row["cpu_ms"] if "limit" in cpu else None
     return summary
 
 
-def _agent_agreement(sessions: list[list[dict]]) -> dict:
-    """Per mmkv arm: turns whose next token equals full recompute's, of all turns, with the exact
-    (Clopper-Pearson) 95% interval."""
+def _agent_agreement(sessions: list[list[dict]], arms: tuple[str, ...] = AGENT_ARMS) -> dict:
+    """Per mmkv arm run: turns whose next token equals full recompute's, of all turns, with the
+    exact (Clopper-Pearson) 95% interval; nothing without the full recompute."""
     from scipy.stats import binomtest
 
     out = {}
-    for arm in ("mmkv exact", "mmkv composed"):
+    for arm in [a for a in ("mmkv exact", "mmkv composed") if a in arms] if "full recompute" in arms else []:
         same = [row["arms"][arm]["next_token"] == row["arms"]["full recompute"]["next_token"]
                 for rows in sessions for row in rows]
         ci = binomtest(sum(same), len(same)).proportion_ci(confidence_level=0.95, method="exact")
@@ -910,6 +939,16 @@ def _limit_turn(adapter, text: TextContext, new_png: bytes | None, n: int, q: in
     _sync()
     return {"ms": (time.perf_counter() - t0) * 1e3, "cpu_ms": (time.process_time() - c0) * 1e3,
             "computed_tokens": q, "vision_runs": int(new_png is not None), "reused_tokens": n - q}
+
+
+def _kept_tail(before: list, now: list, hit: int) -> int:
+    """The tokens after a block hit that the conversation's buffer from its previous turn still
+    holds (`SlotPool`): when the hit is exactly that prompt's full blocks, the text (no chunk) both
+    prompts share after them, short of the last token."""
+    if hit != len(before) // BLOCK * BLOCK or common_prefix(before, now) < hit:
+        return 0
+    text = lambda keys: itertools.takewhile(lambda k: k[1] is None, keys[hit:])  # noqa: E731
+    return min(common_prefix(list(text(before)), list(text(now))), len(now) - 1 - hit)
 
 
 def _chunk_token_keys(plan) -> list[tuple[int, str | None]]:
@@ -962,7 +1001,7 @@ def header(engine, threads: int, repeats: int) -> dict:
 def run_bench(engine, modes: list[str], repeats: int, threads: int, image_tokens: list[int], skill_tokens: list[int],
               policy_tokens: int, turns: int, show: Callable[[str, dict], None], agent_turns: int = 8,
               seed: int = 0, window: int = 0, drop_chunk: int = 1, video_groups: tuple[int, ...] = (),
-              group_tokens: int = 16) -> dict:
+              group_tokens: int = 16, agent_arms: tuple[str, ...] = AGENT_ARMS) -> dict:
     """Every chosen mode; `show(kind, figures)` gets the header, each table, the agent session, the
     copy and the bytes figures as they are measured. Returns them all (the --json report). The
     agent session uses the smallest image and skill sizes, its client keeping the last `window`
@@ -990,7 +1029,7 @@ def run_bench(engine, modes: list[str], repeats: int, threads: int, image_tokens
         show("stream", report["stream"])
     if "agent" in modes:
         report["agent"] = bench_agent(engine, agent_turns, seed, repeats, min(image_tokens, default=64),
-                                      min(skill_tokens, default=1024), text, window, drop_chunk)
+                                      min(skill_tokens, default=1024), text, window, drop_chunk, agent_arms)
         show("agent", report["agent"])
     entries = _chunks(engine, image_tokens, skill_tokens) if "copy" in modes or "bytes" in modes else []
     if "copy" in modes:

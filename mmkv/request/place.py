@@ -289,13 +289,15 @@ class KVPlacer:
                         policy: str, chooser: BlendChooser | None = None) -> tuple[PrefillResult, Insert | None]:
         """`blocks` loaded, the splice (blended by `chooser`), and the insert of the prompt's
         blocks `have`.. under `keys`."""
-        n = plan.input_ids.numel()
+        n, block = plan.input_ids.numel(), self.prefix.block
         cache = self.adapter.new_cache()
-        start = len(blocks) * self.prefix.block
-        if blocks:  # a conversation's buffer from its last turn may hold the first blocks already
-            layers, in_place = prefix_slots(self.adapter, cache, n, owner=self.prefix, want=[b.key for b in blocks],
-                                            block=self.prefix.block)
+        start = len(blocks) * block
+        if blocks:  # a conversation's buffer from its last turn may hold the first blocks already, and after them
+            after = text_run(plan, start, min(start + block, n - 1))  # the tokens its last prompt ended with
+            layers, in_place, tail = prefix_slots(self.adapter, cache, n, owner=self.prefix,
+                                                  want=[b.key for b in blocks], block=block, after=after)
             self.prefix.load(blocks, layers, in_place)
+            start += tail
         rotate = policy != "none"
         result = prefill_spliced(self.adapter, plan.input_ids, plan.positions, plan.placements, seam,
                                  rotate=rotate, cache=cache, start=start, defer=True, blend=chooser)
@@ -308,7 +310,7 @@ class KVPlacer:
         def insert() -> int:
             stored = self.prefix.insert(keys, cache, plan.positions, have, n, spans, rope)
             if cache.layers and isinstance(cache.layers[0], SlotLayer):  # its front, for the next turn
-                pool_of(self.adapter).hold(cache.layers[0].keys, self.prefix, keys)
+                pool_of(self.adapter).hold(cache.layers[0].keys, self.prefix, keys, text_run(plan, len(keys) * block, n))
             return stored
         return result, insert
 
@@ -347,6 +349,17 @@ class KVPlacer:
                 start = p.start - tail_from + len(old_ids)
                 spans.append((start + inserted if start >= at else start, p.entry))
         return self.planner.plan(torch.tensor(ids, dtype=torch.long), spans, policy), line
+
+
+def text_run(plan: SplicePlan, start: int, stop: int) -> tuple[int, ...]:
+    """The prompt's token ids from `start`, before `stop` and its first token spliced from a chunk:
+    the text whose KV depends only on the tokens and chunks before it (what a block key hashes)."""
+    run = []
+    for i in range(start, stop):
+        if plan.chunk_keys[i] is not None:
+            break
+        run.append(i)
+    return tuple(plan.input_ids[start:start + len(run)].tolist())
 
 
 def chunk_spans(plan: SplicePlan, total: int, start: int, seam: int, rotate: bool,

@@ -166,12 +166,14 @@ class _Kept:
     """A buffer the pool keeps: `alone` its storage's use count when only the pool holds it; `held`
     the prefix-cache block keys whose KV sits at its front (in `preallocate`'s layout), written
     by a request of `owner` (a weak reference to that engine's PrefixCache) that finished its
-    prefill and stored them. Cleared whenever the buffer is handed out."""
+    prefill and stored them, and `tail` the text tokens of that prompt after its last full block
+    (their KV follows the blocks'). Cleared whenever the buffer is handed out."""
 
     buf: torch.Tensor
     alone: int
     owner: weakref.ref | None = None
     held: tuple[str, ...] = ()
+    tail: tuple[int, ...] = ()  # token ids right after the held blocks whose KV sits there too (text only)
 
 
 @dataclass
@@ -179,12 +181,14 @@ class Lent:
     """What `SlotPool.lend` hands out: a flat buffer of at least the numel asked for (its whole
     room), how many of the wanted blocks its front holds already (`in_place`), and else a free kept
     buffer whose front holds more of them (`source`, to copy from: a conversation that outgrew its
-    buffer), with how many (`source_blocks`)."""
+    buffer), with how many (`source_blocks`). `tail`: when every wanted block is held (in place or
+    in the source) and nothing more, how many of the tokens after them (`after`) are held too."""
 
     buffer: torch.Tensor
     in_place: int = 0
     source: torch.Tensor | None = None
     source_blocks: int = 0
+    tail: int = 0
 
 
 class SlotPool:
@@ -211,6 +215,7 @@ class SlotPool:
         self._lock = threading.Lock()
         self.in_place_blocks = 0  # blocks a lent buffer held in place, over the pool's life
         self.copied_blocks = 0  # blocks copied from a conversation's outgrown buffer
+        self.tail_tokens = 0  # tokens after those blocks held in place or copied with them
 
     @staticmethod
     def _uses(buf: torch.Tensor) -> int:
@@ -224,12 +229,15 @@ class SlotPool:
         return sum(e.buf.nbytes for e in self._kept)
 
     def lend(self, numel: int, dtype: torch.dtype, device: torch.device, owner: object = None,
-             want: list[str] = ()) -> Lent:
+             want: list[str] = (), after: tuple[int, ...] = ()) -> Lent:
         """A flat buffer of at least `numel` elements (its whole room; contents undefined but for
-        `Lent.in_place` leading blocks of `want`, block keys of `owner`'s prefix cache). The free
+        `Lent.in_place` leading blocks of `want`, block keys of `owner`'s prefix cache, and then
+        `Lent.tail` leading tokens of `after`, the text token ids that follow them). The free
         kept buffer whose record starts with the most of `want` when it has room, else a free kept
         one of between numel and 2 x numel elements, else a new one (kept if the budget allows);
-        a free kept buffer too small but holding more of `want` comes as `Lent.source`."""
+        a free kept buffer too small but holding more of `want` comes as `Lent.source`. A record's
+        tail counts only when its blocks are exactly `want`: the tokens after them are the same
+        prompt's, at the same positions, after the same KV."""
         need = numel * dtype.itemsize
         if device.type != "cpu" or need > self.budget:
             return Lent(torch.empty(numel, dtype=dtype, device=device))
@@ -252,11 +260,15 @@ class SlotPool:
                     best = min(plain, key=lambda e: e.buf.numel())
                 elif fits and self.nbytes + grown * dtype.itemsize > self.budget:
                     best = fits[0]  # the least recently used
+            held = best if in_place else source if copy else None
+            tail = common_prefix(held.tail, after) if held is not None and \
+                len(held.held) == len(want) == (in_place or copy) else 0
             if best is not None:
-                best.owner, best.held = None, ()  # the request may write anywhere past its hit
+                best.owner, best.held, best.tail = None, (), ()  # the request may write anywhere past its hit
                 self._kept = [e for e in self._kept if e is not best] + [best]  # most recently used last
                 self.in_place_blocks += in_place
-                return self._lent(best.buf, in_place, source, copy)
+                self.tail_tokens += tail if in_place else 0
+                return self._lent(best.buf, in_place, source, copy, tail)
             for entry in list(self._kept):  # make room: the free buffers that fit nothing, oldest first
                 if self.nbytes + need <= self.budget:
                     break
@@ -266,32 +278,34 @@ class SlotPool:
             buf = torch.empty(size, dtype=dtype, device=device)
             if self.nbytes + size * dtype.itemsize <= self.budget:
                 self._kept.append(_Kept(buf, self._uses(buf)))
-            return self._lent(buf, in_place, source, copy)
+            return self._lent(buf, in_place, source, copy, tail)
 
     @staticmethod
-    def _lent(buf: torch.Tensor, in_place: int, source: _Kept | None, copy: int) -> Lent:
+    def _lent(buf: torch.Tensor, in_place: int, source: _Kept | None, copy: int, tail: int) -> Lent:
         """Views, never the pool's own tensors: the use count that says a buffer is free sees views."""
         if in_place or source is None:
-            return Lent(buf[:], in_place)
-        return Lent(buf[:], 0, source.buf[:], copy)
+            return Lent(buf[:], in_place, tail=tail if in_place else 0)
+        return Lent(buf[:], 0, source.buf[:], copy, tail)
 
     def copied(self, lent: Lent) -> None:
         """`lent.source` was copied from: the outgrown buffer is dropped (its blocks live on in the
         new one)."""
         with self._lock:
             self.copied_blocks += lent.source_blocks
+            self.tail_tokens += lent.tail
             ptr = lent.source.untyped_storage().data_ptr()
             self._kept = [e for e in self._kept if e.buf.untyped_storage().data_ptr() != ptr]
         lent.source = None
 
-    def hold(self, tensor: torch.Tensor, owner: object, keys: list[str]) -> None:
+    def hold(self, tensor: torch.Tensor, owner: object, keys: list[str], tail: tuple[int, ...] = ()) -> None:
         """Record that the kept buffer under `tensor` (a view of it) holds the KV of blocks `keys`
-        of `owner`'s prefix cache at its front: called once those blocks are stored."""
+        of `owner`'s prefix cache at its front, then that of the text tokens `tail` (ids) of the
+        same prompt: called once those blocks are stored."""
         ptr = tensor.untyped_storage().data_ptr()
         with self._lock:
             for e in self._kept:
                 if e.buf.untyped_storage().data_ptr() == ptr:
-                    e.owner, e.held = weakref.ref(owner), tuple(str(k) for k in keys)
+                    e.owner, e.held, e.tail = weakref.ref(owner), tuple(str(k) for k in keys), tuple(tail)
                     self._kept = [x for x in self._kept if x is not e] + [e]
                     return
 
@@ -318,14 +332,14 @@ def _slot_layers(adapter: VLAdapter, flat: torch.Tensor, total: int) -> list[tup
 
 
 def _lend(adapter: VLAdapter, total: int, pool: SlotPool | None | str, owner: object = None,
-          want: list[str] = ()) -> tuple[SlotPool | None, Lent]:
+          want: list[str] = (), after: tuple[int, ...] = ()) -> tuple[SlotPool | None, Lent]:
     """A buffer for `total` tokens of KV from `pool` (None: fresh; ADAPTER_POOL: `pool_of`)."""
     heads, head_dim = adapter.kv_shape
     numel = 2 * adapter.num_layers * heads * head_dim * total
     pool = pool_of(adapter) if pool == ADAPTER_POOL else pool
     if pool is None:
         return None, Lent(torch.empty(numel, dtype=adapter.dtype, device=adapter.device))
-    return pool, pool.lend(numel, adapter.dtype, adapter.device, owner, want)
+    return pool, pool.lend(numel, adapter.dtype, adapter.device, owner, want, after)
 
 
 def preallocate(adapter: VLAdapter, cache: DynamicCache, start: int, total: int,
@@ -355,21 +369,24 @@ def _install(adapter: VLAdapter, cache: DynamicCache, flat: torch.Tensor, total:
 
 
 def prefix_slots(adapter: VLAdapter, cache: DynamicCache, total: int, pool: SlotPool | None | str = ADAPTER_POOL,
-                 owner: object = None, want: list[str] = (), block: int = BLOCK_TOKENS) -> tuple[list[SlotLayer], int]:
+                 owner: object = None, want: list[str] = (), block: int = BLOCK_TOKENS,
+                 after: tuple[int, ...] = ()) -> tuple[list[SlotLayer], int, int]:
     """Prompt-length layers for an empty `cache` about to take a prefix-cache hit of blocks `want`
-    (keys of `owner`'s prefix cache, `block` tokens each), and how many of those blocks are in
-    place already: a conversation's buffer from its last turn, kept by `pool` with those blocks at
-    its front (`SlotPool.hold`), or copied from it when the conversation outgrew it."""
-    pool, lent = _lend(adapter, total, pool, owner, want)
+    (keys of `owner`'s prefix cache, `block` tokens each), how many of those blocks are in place
+    already, and how many of the text tokens after them (`after`, ids) too: a conversation's buffer
+    from its last turn, kept by `pool` with those blocks and its prompt's last tokens at its front
+    (`SlotPool.hold`), or copied from it when the conversation outgrew it."""
+    pool, lent = _lend(adapter, total, pool, owner, want, after)
     layers = _install(adapter, cache, lent.buffer, total, 0)
     if lent.source is None:
-        return layers, lent.in_place
-    n = lent.source_blocks * block
+        return layers, lent.in_place, lent.tail
+    n = lent.source_blocks * block + lent.tail
     for layer, (k, v) in zip(layers, _slot_layers(adapter, lent.source, n)):
         layer.keys[:, :, :n].copy_(k)
         layer.values[:, :, :n].copy_(v)
+    blocks, tail = lent.source_blocks, lent.tail
     pool.copied(lent)
-    return layers, lent.source_blocks
+    return layers, blocks, tail
 
 
 def place_chunk(layers: list[SlotLayer], p: Placement, first: int, stop: int, rope, rotate: bool = True) -> None:
