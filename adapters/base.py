@@ -341,11 +341,12 @@ class VLAdapter:
         return logits[:b], list(logits[b:].split(1))
 
     def pack_linears(self, mode: str = "onednn") -> str:
-        """The language model's linear layers and an untied LM head on oneDNN with prepacked
-        weights on a CPU (adapters/cpu_kernels.py; the vision tower stays as loaded). Returns the
-        backend in use, with the reason when it stays dense."""
-        lm = next(name for name, module in self.model.named_modules() if module is self.language_model)
-        return pack_linears(self.model, (f"{lm}.", "lm_head"), mode)
+        """The language model's and the vision tower's linear layers and an untied LM head on
+        oneDNN with prepacked weights on a CPU (adapters/cpu_kernels.py). Returns the backend in
+        use, with the reason when it stays dense."""
+        lm, vision = (next(name for name, module in self.model.named_modules() if module is part)
+                      for part in (self.language_model, self.model.model.visual))
+        return pack_linears(self.model, (f"{lm}.", "lm_head", f"{vision}."), mode)
 
     def can_pack(self) -> bool:
         """Whether the model's attention can run inside a packed forward (mmkv.kv.packed)."""

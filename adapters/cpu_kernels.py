@@ -1,11 +1,14 @@
-"""The language model's CPU paths, shared by every family: linear layers on oneDNN with
-prepacked weights, and grouped-query attention without copies of the keys and values.
+"""The model's CPU paths, shared by every family: linear layers on oneDNN with prepacked weights
+(the language model's and the vision tower's), and grouped-query attention without copies of the
+keys and values.
 
 Linear layers. PyTorch's `nn.Linear` on a CPU calls MKL's sgemm, whose kernels for a few rows are
 poor on some CPUs: on a 2-core AMD EPYC a decode step of 2 to 8 rows cost 1.8x to 2.3x one row's,
 where the weights are read once either way. oneDNN with the weight reordered once for its kernels
 (what PyTorch's own inductor does for frozen CPU models) keeps a few rows at one row's cost and
-runs a prefill of 40 tokens in 0.8x the time (mmkv bench-concurrency; docs/bench.md). Each packed
+runs a prefill of 40 tokens in 0.8x the time (mmkv bench-concurrency; docs/bench.md); the vision
+tower of the bench model encodes a 256-token screenshot (1,024 patch rows) in 0.80x the CPU time
+(1,081 ms against 1,351, medians of 8 interleaved). Each packed
 layer holds its weight once, in oneDNN's layout: no second copy. `state_dict` and `weight` give
 the dense weight back (so the model's fingerprint, and saving, are unchanged). Layers whose weight
 is shared with another module (a tied LM head) stay dense. Each layer is checked at packing

@@ -1,4 +1,5 @@
-"""The language model's linear layers on oneDNN with prepacked weights (mmkv.adapters.cpu_kernels).
+"""The language model's and the vision tower's linear layers on oneDNN with prepacked weights
+(mmkv.adapters.cpu_kernels).
 
 Oracle: the same checkpoint loaded with `cpu_linear="dense"` (PyTorch's nn.Linear, MKL), and
 transformers' own forward over it: logits and KV within TOL (float32 products summed in another
@@ -39,16 +40,29 @@ def _chat(engine, text: str) -> list[dict]:
     return [{"role": "user", "content": [image, {"type": "text", "text": text}]}]
 
 
-def test_every_language_model_linear_is_packed_and_nothing_else(pair):
+def test_every_language_model_and_vision_linear_is_packed(pair):
     packed, dense = pair
     assert packed.cpu_linear == "onednn" and packed.stats()["cpu_linear"] == "onednn"
     assert dense.cpu_linear == "dense" and dense.stats()["cpu_linear"] == "dense"
-    lm = packed.adapter.language_model
-    linears = [n for n, m in dense.adapter.language_model.named_modules() if isinstance(m, nn.Linear)]
-    assert linears and all(isinstance(lm.get_submodule(n), OneDNNLinear) for n in linears)
+    for part in (lambda e: e.adapter.language_model, lambda e: e.adapter.model.model.visual):
+        linears = [n for n, m in part(dense).named_modules() if isinstance(m, nn.Linear)]
+        assert linears and all(isinstance(part(packed).get_submodule(n), OneDNNLinear) for n in linears)
     assert isinstance(packed.adapter.model.lm_head, OneDNNLinear)  # the tiny models' head is untied
-    vision = packed.adapter.model.model.visual
-    assert not any(isinstance(m, OneDNNLinear) for m in vision.modules())  # the vision tower as loaded
+    assert not any(isinstance(m, OneDNNLinear) for m in dense.adapter.model.modules())
+
+
+def test_the_vision_tower_encodes_as_dense(pair):
+    """An image's merged embeddings (and Qwen3-VL's deepstack features) from the packed tower
+    equal the dense tower's within TOL."""
+    from PIL import Image
+    import io
+
+    packed, dense = pair
+    image = Image.open(io.BytesIO(make_png(84, 56, seed=9))).convert("RGB")
+    pixels, grid = dense.adapter.preprocess_image(image)
+    got, want = (e.adapter.encode_image(pixels, grid) for e in (packed, dense))
+    for g, w in zip((got.embeds, *got.deepstack), (want.embeds, *want.deepstack)):
+        assert g.shape == w.shape and (g - w).abs().max().item() < TOL * max(1.0, w.abs().max().item())
 
 
 def test_weights_kept_once_and_given_back_bit_for_bit(pair):

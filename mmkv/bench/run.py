@@ -977,6 +977,14 @@ def _cpu_name() -> str:
         return platform.processor() or "cpu"
 
 
+def _linear_backend(engine) -> str:
+    """The linear layers' backend, naming the vision tower when its layers run on it too."""
+    from mmkv.adapters.cpu_kernels import OneDNNLinear
+
+    vision = any(isinstance(m, OneDNNLinear) and m.packed is not None for m in engine.adapter.model.model.visual.modules())
+    return f"{engine.cpu_linear}, vision tower included" if vision else engine.cpu_linear
+
+
 def header(engine, threads: int, repeats: int) -> dict:
     import transformers
 
@@ -990,7 +998,7 @@ def header(engine, threads: int, repeats: int) -> dict:
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "model": {"id": engine.model_id, "family": ad.family, "dtype": str(ad.dtype).removeprefix("torch."),
-                  "params_m": round(parameter_count(ad.model) / 1e6, 1), "linear": engine.cpu_linear,
+                  "params_m": round(parameter_count(ad.model) / 1e6, 1), "linear": _linear_backend(engine),
                   "lm": f"{t.num_hidden_layers} x {t.hidden_size}, {t.num_attention_heads} heads / "
                         f"{t.num_key_value_heads} KV, head_dim {getattr(t, 'head_dim', None) or t.hidden_size // t.num_attention_heads}, "
                         f"mrope {(t.rope_parameters or {}).get('mrope_section')}",
