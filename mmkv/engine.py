@@ -772,6 +772,7 @@ class Engine:
                 "slot_in_place_tokens": self.slots.in_place_blocks * self.prefix.block,
                 "slot_copied_tokens": self.slots.copied_blocks * self.prefix.block,
                 "slot_tail_tokens": self.slots.tail_tokens,
+                "slot_grown": self.slots.grown,
                 "evictions": self.cache.evictions,
                 "prefill_tokens": c.prefill_tokens + reg.precompiled_tokens,
                 "reused_tokens": c.reused_tokens,

@@ -39,6 +39,8 @@ _ENGINE_METRICS = {
                              "in place (neither copied nor rotated in).", "counter"),
     "slot_copied_tokens": ("mmkv:slot_copied_tokens", "Prefix-cache hit tokens copied from a conversation's outgrown "
                            "buffer.", "counter"),
+    "slot_grown": ("mmkv:slot_grown", "Conversations moved into a larger kept buffer between turns, before their "
+                   "next turn outgrew theirs.", "counter"),
     "slot_tail_tokens": ("mmkv:slot_tail_tokens", "Tokens after a conversation's last full prefix block (the end of "
                          "its previous prompt) that its kept buffer still held, reused with the hit.", "counter"),
     "image_cache_entries": ("mmkv:image_cache_entries", "Images whose KV is cached.", "gauge"),

@@ -221,6 +221,43 @@ def test_a_turn_that_outgrew_its_buffer_copies_the_hit_and_answers_as_loaded(eng
     assert _off_oracle(engine, second, "rows-outgrown", logits) < TOL
 
 
+def test_a_conversation_about_to_outgrow_its_buffer_moves_between_turns(engine, monkeypatch):
+    """Turn 1 got a kept buffer with less room than 1.5x its prompt: once its blocks are stored it
+    moves into one with twice that room (the old one stays kept, without a record), so turn 2,
+    longer than the old room, finds all of turn 1 in place, copies nothing on its own path, and
+    answers as the block-masked forward."""
+    pool = SlotPool(budget=1 << 30)
+    monkeypatch.setattr(engine.adapter, "slot_pool", pool)
+    tenant = "rows-grown"
+    first, _ = _turns(engine, tenant, extra=" (grown)")
+    second = first + [{"role": "assistant", "content": "a red shape ."},
+                      {"role": "user", "content": "now read the labels , one by one . " * 8}]
+    heads, head_dim = engine.adapter.kv_shape
+    per_token = 2 * engine.adapter.num_layers * heads * head_dim
+    n1, n2 = (engine.splice_plan(m, tenant=tenant).input_ids.numel() for m in (first, second))
+    spare = pool.lend(int(0.8 * n1) * per_token, F32, CPU)  # kept with 1.5x that room: 1.2 x n1
+    room = spare.buffer.numel() // per_token
+    assert n1 <= room < 1.5 * n1 and room < n2 <= 2 * n1
+    del spare
+    gc.collect()
+    engine.generate(first, max_new_tokens=1, tenant=tenant)
+    assert pool.grown == 1 and len(pool._kept) == 2 and sum(bool(e.held) for e in pool._kept) == 1
+    logits, cached = _logits(engine, second, tenant)
+    assert cached == n1 and pool.copied_blocks == 0 and pool.in_place_blocks * 16 + pool.tail_tokens == n1
+    assert _off_oracle(engine, second, tenant, logits) < TOL
+    assert pool.nbytes <= pool.budget
+
+
+def test_a_buffer_grows_between_turns_only_within_the_budget():
+    pool = SlotPool(budget=4000 * 4)
+    lent = pool.lend(1000, F32, CPU)  # room 1500
+    assert pool.room_for(lent.buffer, 1400, 2000, F32) is None  # room enough
+    assert pool.room_for(lent.buffer, 1600, 3000, F32) is None  # 1500 + 3000 over the budget
+    grown = pool.room_for(lent.buffer, 1600, 2500, F32)
+    assert grown is not None and grown.numel() == 2500 and pool.grown == 1 and pool.nbytes == 4000 * 4
+    assert pool.room_for(torch.empty(10), 1600, 2500, F32) is None  # not a kept buffer
+
+
 def test_a_deleted_images_blocks_never_come_back_from_a_buffer(engine):
     """The buffer still holds a deleted image's KV, but its blocks are gone from the store: the
     next request with that prompt finds only the blocks before the image in place and answers

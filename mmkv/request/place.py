@@ -39,8 +39,8 @@ from mmkv.store.kv_store import PurgeWatch
 from mmkv.store.prefix_cache import ChunkSpan, block_keys
 from mmkv.kv.rerotate import constant_delta
 from mmkv.request.blend import Blend, BlendChooser, BlendReport
-from mmkv.request.splice import (PrefillResult, SlotLayer, pool_of, prefill_spliced, prefix_slots, ranges_less,
-                                 splice_layout)
+from mmkv.request.splice import (PrefillResult, SlotLayer, hold_for_next_turn, prefill_spliced, prefix_slots,
+                                 ranges_less, splice_layout)
 
 if TYPE_CHECKING:
     from mmkv.request.plan import Planner, SplicePlan
@@ -310,7 +310,8 @@ class KVPlacer:
         def insert() -> int:
             stored = self.prefix.insert(keys, cache, plan.positions, have, n, spans, rope)
             if cache.layers and isinstance(cache.layers[0], SlotLayer):  # its front, for the next turn
-                pool_of(self.adapter).hold(cache.layers[0].keys, self.prefix, keys, text_run(plan, len(keys) * block, n))
+                hold_for_next_turn(self.adapter, cache.layers[:self.adapter.num_layers], self.prefix, keys,
+                                   text_run(plan, len(keys) * block, n), block)
             return stored
         return result, insert
 

@@ -216,6 +216,7 @@ class SlotPool:
         self.in_place_blocks = 0  # blocks a lent buffer held in place, over the pool's life
         self.copied_blocks = 0  # blocks copied from a conversation's outgrown buffer
         self.tail_tokens = 0  # tokens after those blocks held in place or copied with them
+        self.grown = 0  # buffers a conversation was moved into, between its turns, before it outgrew its own
 
     @staticmethod
     def _uses(buf: torch.Tensor) -> int:
@@ -297,6 +298,21 @@ class SlotPool:
             self._kept = [e for e in self._kept if e.buf.untyped_storage().data_ptr() != ptr]
         lent.source = None
 
+    def room_for(self, tensor: torch.Tensor, numel: int, size: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A new kept buffer of `size` elements (a view) for what the kept buffer under `tensor`
+        holds, when that one's room is under `numel` (the conversation's next turn would outgrow
+        it) and the budget holds both; else None. The old buffer stays kept, without a record,
+        until its request lets it go."""
+        ptr = tensor.untyped_storage().data_ptr()
+        with self._lock:
+            entry = next((e for e in self._kept if e.buf.untyped_storage().data_ptr() == ptr), None)
+            if entry is None or entry.buf.numel() >= numel or self.nbytes + size * dtype.itemsize > self.budget:
+                return None
+            buf = torch.empty(size, dtype=dtype, device=tensor.device)
+            self._kept.append(_Kept(buf, self._uses(buf)))
+            self.grown += 1
+            return buf[:]
+
     def hold(self, tensor: torch.Tensor, owner: object, keys: list[str], tail: tuple[int, ...] = ()) -> None:
         """Record that the kept buffer under `tensor` (a view of it) holds the KV of blocks `keys`
         of `owner`'s prefix cache at its front, then that of the text tokens `tail` (ids) of the
@@ -366,6 +382,28 @@ def _install(adapter: VLAdapter, cache: DynamicCache, flat: torch.Tensor, total:
         layers.append(SlotLayer(k, v))
     cache.layers[: len(layers)] = layers
     return layers
+
+
+def hold_for_next_turn(adapter: VLAdapter, layers: list, owner: object, keys: list[str], tail: tuple[int, ...],
+                       block: int = BLOCK_TOKENS) -> None:
+    """Once a request's prefix blocks are stored: record that its buffer (under `layers`) holds
+    blocks `keys` of `owner`'s prefix cache and then the text `tail` (`SlotPool.hold`), for the
+    conversation's next turn. When that buffer has less room than `POOL_GROWTH` x those tokens,
+    they move first into a buffer with `OUTGROWN_ROOM` x their room (`SlotPool.room_for`), so the
+    next turn, a few hundred tokens longer, still finds them in place: the copy and the new
+    buffer's page faults are paid here, after this request's first token, not on the next turn's
+    time to its first."""
+    pool = pool_of(adapter)
+    held = len(keys) * block + len(tail)
+    heads, head_dim = adapter.kv_shape
+    per_token = 2 * adapter.num_layers * heads * head_dim
+    into = pool.room_for(layers[0].keys, int(held * POOL_GROWTH) * per_token, int(held * OUTGROWN_ROOM) * per_token,
+                         layers[0].keys.dtype) if held else None
+    if into is not None:
+        for layer, (k, v) in zip(layers, _slot_layers(adapter, into, held)):
+            k.copy_(layer.keys[:, :, :held])
+            v.copy_(layer.values[:, :, :held])
+    pool.hold(into if into is not None else layers[0].keys, owner, keys, tail)
 
 
 def prefix_slots(adapter: VLAdapter, cache: DynamicCache, total: int, pool: SlotPool | None | str = ADAPTER_POOL,
