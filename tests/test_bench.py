@@ -304,7 +304,9 @@ def test_two_agent_arms_over_six_sessions_give_each_turn_an_interval(tmp_path):
     assert a["arms"] == ["exact-prefix caching", "mmkv exact"] and a["agreement"] == {}
     assert [r["arm"] for r in a["summary"]] == a["arms"] and len(a["sessions"]) == 6
     assert all(r["speedup_vs_full"] is None and r["pct_of_limit"] is None for r in a["summary"])
-    assert all(set(t["arms"]) == set(a["arms"]) for rows in a["sessions"] for t in rows)
+    assert all(set(t["arms"]) == set(a["arms"]) == set(t["order"]) for rows in a["sessions"] for t in rows)
+    for rows in zip(*a["sessions"]):  # on every turn each arm ran first in half the sessions
+        assert sum(t["order"][0] == "mmkv exact" for t in rows) == 3
     for p, rows in zip(a["per_turn"], zip(*a["sessions"])):
         ratios = sorted(t["arms"]["mmkv exact"]["cpu_ms"] / t["arms"]["exact-prefix caching"]["cpu_ms"] for t in rows)
         assert p["interval_cpu"] == [ratios[0], ratios[-1]]  # k = 1 at n = 6

@@ -756,7 +756,8 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
                 text: TextContext, window: int = 0, drop_chunk: int = 1, arms: tuple[str, ...] = AGENT_ARMS) -> dict:
     """Cumulative and per-turn TTFT over a seeded agent session (`agent_script`) whose client keeps
     the last `window` screenshots (0: all), dropping them `drop_chunk` at a time; the arms
-    interleaved turn by turn (`AGENT_ARMS`), each session `repeats` times with fresh caches: full
+    interleaved turn by turn (`AGENT_ARMS`; the order rotated by turn and by session, so that a
+    turn's paired comparison is not always made in one order), each session `repeats` times with fresh caches: full
     recompute, exact-prefix caching and encoder cache + prefix caching (mechanism level,
     PrefixCacheArm), mmkv exact (`Engine.generate` end to end, screenshots sent inline: `_mmkv_turn`),
     mmkv composed (the same under `history_policy` "compose", in its own tenant; its next token
@@ -807,8 +808,9 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
         for t, (turn, p) in enumerate(zip(script, prompts)):
             new_png = pngs[turn.new_screenshot] if turn.new_screenshot is not None else None
             got = {}
-            first = t % len(arms)
-            for arm in arms[first:] + arms[:first]:  # rotated so no arm always runs first
+            first = (t + r) % len(arms)  # by turn and session: on each turn, each arm runs first in as many sessions
+            order = arms[first:] + arms[:first]
+            for arm in order:
                 if arm in mechanism:
                     got[arm] = mechanism[arm].turn(p.ids, p.positions, p.keys, p.images)
                 elif arm == "mmkv exact":
@@ -830,7 +832,8 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
             history.append(plan)
             rows.append({"turn": t + 1, "events": turn.events(), "prompt_tokens": int(p.ids.numel()),
                          "new_tokens": p.new_tokens, "screenshots": len(p.images), "dropped": p.dropped,
-                         "arms": got, "mmkv_expected_reused": hit + tail + spliced, "mmkv_kept_tail": tail})
+                         "arms": got, "order": list(order), "mmkv_expected_reused": hit + tail + spliced,
+                         "mmkv_kept_tail": tail})
         sessions.append(rows)
     return {"turns": turns, "seed": seed, "repeats": repeats, "image_tokens": image_tokens, "window": window,
             "drop_chunk": drop_chunk, "skill_tokens": engine.skill_info(skill_id, tenant=skill_tenant).tokens,
