@@ -130,7 +130,8 @@ class VideoURLNotAllowedError(InvalidVideoError):
 
 class StreamConflictError(InvalidVideoError):
     """Frames a live stream cannot take in its present state: a time not after its latest frame's,
-    or a frame size other than its frames'."""
+    a frame size other than its frames', or frames whose full window under the stream's
+    `window_groups` and `max_pixels` would be over the token limit."""
 
     http_status = 409
     code = "stream_conflict"

@@ -143,6 +143,26 @@ def test_bad_appends_are_4xx_and_change_nothing(live):
         assert http.delete(f"/v1/video_streams/{s}").status_code == 200
 
 
+def test_frames_whose_window_would_be_over_the_token_limit_conflict_with_the_stream(live):
+    """A stream made with 384 groups a window takes 224x224 frames (64 tokens a group: 24,576 a
+    window, over the 16,384 of the video limit): a 409 stream_conflict naming the frame, and the
+    stream is as before. The frame itself is valid: a stream with a window of 64 groups takes it."""
+    http = httpx.Client(base_url=live.base_url, timeout=60)
+    sid = http.post("/v1/video_streams", json={"window_groups": 384, "max_pixels": 224 * 224}).json()["id"]
+    state = http.get(f"/v1/video_streams/{sid}").json()
+    big = ("f.png", _png(clip_frames(1, 224, 224)[0]), "image/png")
+    r = http.post(f"/v1/video_streams/{sid}/frames", files={"frame": big})
+    assert r.status_code == 409, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("stream_conflict", "frame") and "fewer window_groups" in err["message"]
+    assert http.get(f"/v1/video_streams/{sid}").json() == state
+    fewer = http.post("/v1/video_streams", json={"window_groups": 64, "max_pixels": 224 * 224}).json()["id"]
+    taken = http.post(f"/v1/video_streams/{fewer}/frames", files={"frame": big})
+    assert taken.status_code == 200, taken.text
+    for s in (sid, fewer):
+        assert http.delete(f"/v1/video_streams/{s}").status_code == 200
+
+
 def _video(live, sid: str):
     return live.engine.registry.videos.lookup(sid, "").video
 

@@ -216,10 +216,11 @@ class VideoStream:
                                       f"{self.source_size[1]}", param=prepared.param)
         h, w = prepared.frames[0].shape[1:]
         tokens = self.settings.window_groups * (h // self.budget.factor) * (w // self.budget.factor)
-        if tokens > self.limits.max_tokens:
-            raise VideoTooLargeError(f"a window of {self.settings.window_groups} groups of {h}x{w} frames is {tokens} "
-                                     f"tokens, over the limit of {self.limits.max_tokens} (max_tokens); lower "
-                                     f"window_groups or max_pixels", param=prepared.param)
+        if tokens > self.limits.max_tokens:  # the stream's settings cannot take these frames: a conflict (409)
+            raise StreamConflictError(f"{prepared.param}: this stream's window of {self.settings.window_groups} groups "
+                                      f"of {h}x{w} frames would be {tokens} tokens, over the limit of "
+                                      f"{self.limits.max_tokens} (max_tokens); create the stream with fewer "
+                                      f"window_groups or a lower max_pixels", param=prepared.param)
 
     def append(self, prepared: PreparedFrames) -> tuple[int, list[str]]:
         """Sample the frames onto the clock; returns (groups completed, hashes of the groups the
