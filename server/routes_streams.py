@@ -19,7 +19,11 @@ from starlette.datastructures import UploadFile
 from mmkv.errors import InvalidRequestError, InvalidVideoError
 
 from .context import ServerContext
-from .schemas import JSONInt, UnsupportedParameterError, _integral
+from .schemas import ErrorResponse, JSONInt, UnsupportedParameterError, _integral
+
+# Frames the stream cannot take in its present state (mmkv.errors.StreamConflictError).
+_CONFLICT = {409: {"model": ErrorResponse, "description": "stream_conflict: a time not after the stream's latest "
+                   "frame, a frame size other than its frames', or a window over the token limit"}}
 
 MAX_FRAMES_PER_POST = 32  # images one /frames request may append (each within max_frame_pixels)
 
@@ -95,7 +99,8 @@ def streams_router(ctx: ServerContext) -> APIRouter:
         info, _ = await ctx.run_job(request, lambda e, _: e.append_frames(stream_id, prepared, tenant=tenant))
         return _stream_object(info)
 
-    @router.post("/v1/video_streams/{stream_id}/frames", response_model=StreamObject, openapi_extra=_FRAME_BODY)
+    @router.post("/v1/video_streams/{stream_id}/frames", response_model=StreamObject, openapi_extra=_FRAME_BODY,
+                 responses=_CONFLICT)
     async def append_frame(request: Request, stream_id: str, tenant: str = Depends(ctx.tenant_of)):
         """Append images (`frame`, repeated for several, at most MAX_FRAMES_PER_POST) at their
         `time`s in seconds of stream time (one `time` per frame, in order, strictly increasing), by
@@ -105,7 +110,7 @@ def streams_router(ctx: ServerContext) -> APIRouter:
         return await append(request, stream_id, tenant, "frame", "time", MAX_FRAMES_PER_POST)
 
     @router.post("/v1/video_streams/{stream_id}/segments", response_model=StreamObject,
-                 openapi_extra=_SEGMENT_BODY)
+                 openapi_extra=_SEGMENT_BODY, responses=_CONFLICT)
     async def append_segment(request: Request, stream_id: str, tenant: str = Depends(ctx.tenant_of)):
         """Append an encoded segment (`file`: MP4, MOV, WebM, MKV), its frames at `start` + their
         own times (`start` by default one tick after the latest frame); all or nothing, 409 as for

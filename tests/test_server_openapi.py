@@ -186,3 +186,11 @@ def test_links_lead_from_a_create_to_its_object(client, create, kwargs, param, t
         path, method = operations[link["operationId"]]
         answer = client.request(method.upper(), path.replace("{" + param + "}", created.json()["id"]))
         assert answer.status_code == 200, (name, answer.text)
+
+
+def test_a_streams_append_documents_its_conflict():
+    """Both append routes answer 409 stream_conflict (a time not after the latest frame, another
+    frame size, a window over the token limit): the schema says so, so a fuzzer's 409 is documented."""
+    paths = APP.openapi()["paths"]
+    for path in ("/v1/video_streams/{stream_id}/frames", "/v1/video_streams/{stream_id}/segments"):
+        assert "409" in paths[path]["post"]["responses"], path
