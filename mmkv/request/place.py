@@ -355,12 +355,8 @@ class KVPlacer:
 def text_run(plan: SplicePlan, start: int, stop: int) -> tuple[int, ...]:
     """The prompt's token ids from `start`, before `stop` and its first token spliced from a chunk:
     the text whose KV depends only on the tokens and chunks before it (what a block key hashes)."""
-    run = []
-    for i in range(start, stop):
-        if plan.chunk_keys[i] is not None:
-            break
-        run.append(i)
-    return tuple(plan.input_ids[start:start + len(run)].tolist())
+    end = next((i for i in range(start, stop) if plan.chunk_keys[i] is not None), stop)
+    return tuple(plan.input_ids[start:end].tolist())
 
 
 def chunk_spans(plan: SplicePlan, total: int, start: int, seam: int, rotate: bool,

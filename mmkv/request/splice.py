@@ -225,6 +225,11 @@ class SlotPool:
     def _free(self, entry: _Kept) -> bool:
         return self._uses(entry.buf) == entry.alone
 
+    def _entry(self, tensor: torch.Tensor) -> _Kept | None:
+        """The kept buffer under `tensor` (a view of it), or None. The caller holds the lock."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return next((e for e in self._kept if e.buf.untyped_storage().data_ptr() == ptr), None)
+
     @property
     def nbytes(self) -> int:
         return sum(e.buf.nbytes for e in self._kept)
@@ -294,8 +299,8 @@ class SlotPool:
         with self._lock:
             self.copied_blocks += lent.source_blocks
             self.tail_tokens += lent.tail
-            ptr = lent.source.untyped_storage().data_ptr()
-            self._kept = [e for e in self._kept if e.buf.untyped_storage().data_ptr() != ptr]
+            source = self._entry(lent.source)
+            self._kept = [e for e in self._kept if e is not source]
         lent.source = None
 
     def room_for(self, tensor: torch.Tensor, numel: int, size: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -303,9 +308,8 @@ class SlotPool:
         holds, when that one's room is under `numel` (the conversation's next turn would outgrow
         it) and the budget holds both; else None. The old buffer stays kept, without a record,
         until its request lets it go."""
-        ptr = tensor.untyped_storage().data_ptr()
         with self._lock:
-            entry = next((e for e in self._kept if e.buf.untyped_storage().data_ptr() == ptr), None)
+            entry = self._entry(tensor)
             if entry is None or entry.buf.numel() >= numel or self.nbytes + size * dtype.itemsize > self.budget:
                 return None
             buf = torch.empty(size, dtype=dtype, device=tensor.device)
@@ -317,13 +321,11 @@ class SlotPool:
         """Record that the kept buffer under `tensor` (a view of it) holds the KV of blocks `keys`
         of `owner`'s prefix cache at its front, then that of the text tokens `tail` (ids) of the
         same prompt: called once those blocks are stored."""
-        ptr = tensor.untyped_storage().data_ptr()
         with self._lock:
-            for e in self._kept:
-                if e.buf.untyped_storage().data_ptr() == ptr:
-                    e.owner, e.held, e.tail = weakref.ref(owner), tuple(str(k) for k in keys), tuple(tail)
-                    self._kept = [x for x in self._kept if x is not e] + [e]
-                    return
+            e = self._entry(tensor)
+            if e is not None:
+                e.owner, e.held, e.tail = weakref.ref(owner), tuple(str(k) for k in keys), tuple(tail)
+                self._kept = [x for x in self._kept if x is not e] + [e]
 
 
 SLOT_POOL = SlotPool()  # for adapters without their own (an Engine gives its adapter one: `slot_pool`)
@@ -337,12 +339,18 @@ def pool_of(adapter: VLAdapter) -> SlotPool:
 ADAPTER_POOL = "adapter"  # `preallocate`'s default: the adapter's pool (`pool_of`)
 
 
+def _token_numel(adapter: VLAdapter) -> int:
+    """Elements one token's KV takes in a slot buffer: keys and values of every layer."""
+    heads, head_dim = adapter.kv_shape
+    return 2 * adapter.num_layers * heads * head_dim
+
+
 def _slot_layers(adapter: VLAdapter, flat: torch.Tensor, total: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (keys, values) [1, kv_heads, total, head_dim] in `flat`, laid out for as many
     tokens as it has room for: a buffer's layout depends on its size only, so a later request in
     it finds an earlier one's KV where that one left it."""
     heads, head_dim = adapter.kv_shape
-    room = flat.numel() // (2 * adapter.num_layers * heads * head_dim)
+    room = flat.numel() // _token_numel(adapter)
     grid = flat[:2 * adapter.num_layers * heads * room * head_dim].view(adapter.num_layers, 2, 1, heads, room, head_dim)
     return [(grid[i, 0, :, :, :total], grid[i, 1, :, :, :total]) for i in range(adapter.num_layers)]
 
@@ -350,8 +358,7 @@ def _slot_layers(adapter: VLAdapter, flat: torch.Tensor, total: int) -> list[tup
 def _lend(adapter: VLAdapter, total: int, pool: SlotPool | None | str, owner: object = None,
           want: list[str] = (), after: tuple[int, ...] = ()) -> tuple[SlotPool | None, Lent]:
     """A buffer for `total` tokens of KV from `pool` (None: fresh; ADAPTER_POOL: `pool_of`)."""
-    heads, head_dim = adapter.kv_shape
-    numel = 2 * adapter.num_layers * heads * head_dim * total
+    numel = _token_numel(adapter) * total
     pool = pool_of(adapter) if pool == ADAPTER_POOL else pool
     if pool is None:
         return None, Lent(torch.empty(numel, dtype=adapter.dtype, device=adapter.device))
@@ -395,8 +402,7 @@ def hold_for_next_turn(adapter: VLAdapter, layers: list, owner: object, keys: li
     time to its first."""
     pool = pool_of(adapter)
     held = len(keys) * block + len(tail)
-    heads, head_dim = adapter.kv_shape
-    per_token = 2 * adapter.num_layers * heads * head_dim
+    per_token = _token_numel(adapter)
     into = pool.room_for(layers[0].keys, int(held * POOL_GROWTH) * per_token, int(held * OUTGROWN_ROOM) * per_token,
                          layers[0].keys.dtype) if held else None
     if into is not None:
@@ -422,9 +428,8 @@ def prefix_slots(adapter: VLAdapter, cache: DynamicCache, total: int, pool: Slot
     for layer, (k, v) in zip(layers, _slot_layers(adapter, lent.source, n)):
         layer.keys[:, :, :n].copy_(k)
         layer.values[:, :, :n].copy_(v)
-    blocks, tail = lent.source_blocks, lent.tail
     pool.copied(lent)
-    return layers, blocks, tail
+    return layers, lent.source_blocks, lent.tail
 
 
 def place_chunk(layers: list[SlotLayer], p: Placement, first: int, stop: int, rope, rotate: bool = True) -> None:
