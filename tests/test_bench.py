@@ -313,3 +313,14 @@ def test_two_agent_arms_over_six_sessions_give_each_turn_an_interval(tmp_path):
         assert ratios[0] <= p["mmkv_over_prefix_cpu"] <= ratios[-1]
     assert "| exact-prefix caching |" in result.output and "| - |" in result.output
     assert f"[{a['per_turn'][0]['interval_cpu'][0]:.2f}-" in result.output
+    # each kind of turn together: per session, the ratio of the two arms' sums over those turns
+    from mmkv.bench.run import agent_script, turn_kind
+
+    kinds = [turn_kind(t) for t in agent_script(3, 0)]
+    assert [k["kind"] for k in a["per_kind"]] == ["new screenshot", "screenshot again", "text only"][:len(set(kinds))]
+    for k in a["per_kind"]:
+        assert k["turns"] == [t + 1 for t, kind in enumerate(kinds) if kind == k["kind"]]
+        ratios = sorted(sum(rows[t - 1]["arms"]["mmkv exact"]["ms"] for t in k["turns"])
+                        / sum(rows[t - 1]["arms"]["exact-prefix caching"]["ms"] for t in k["turns"]) for rows in a["sessions"])
+        assert k["interval_ms"] == [ratios[0], ratios[-1]] and ratios[0] <= k["mmkv_over_prefix_ms"] <= ratios[-1]
+        assert f"| {k['kind']} | {', '.join(map(str, k['turns']))} | {k['mmkv_over_prefix_ms']:.2f}x [" in result.output

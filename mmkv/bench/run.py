@@ -838,7 +838,8 @@ def bench_agent(engine, turns: int, seed: int, repeats: int, image_tokens: int, 
     return {"turns": turns, "seed": seed, "repeats": repeats, "image_tokens": image_tokens, "window": window,
             "drop_chunk": drop_chunk, "skill_tokens": engine.skill_info(skill_id, tenant=skill_tenant).tokens,
             "arms": list(arms), "script": [asdict(t) for t in script], "summary": _agent_summary(sessions, arms),
-            "agreement": _agent_agreement(sessions, arms), "per_turn": _agent_per_turn(sessions), "sessions": sessions}
+            "agreement": _agent_agreement(sessions, arms), "per_turn": _agent_per_turn(sessions),
+            "per_kind": _agent_per_kind(sessions, script), "sessions": sessions}
 
 
 def median_interval(values: list[float]) -> dict:
@@ -867,6 +868,38 @@ def _agent_per_turn(sessions: list[list[dict]]) -> list[dict]:
                     "interval_ms": [ratio["ms"]["low"], ratio["ms"]["high"]],
                     "interval_cpu": [ratio["cpu_ms"]["low"], ratio["cpu_ms"]["high"]],
                     "background_ms": med(mmkv, "background_ms"), "background_tokens": med(mmkv, "background_tokens")})
+    return out
+
+
+AGENT_TURN_KINDS = ("new screenshot", "screenshot again", "text only")
+
+
+def turn_kind(turn: AgentTurn) -> str:
+    """What bounds a turn's work: a screenshot never seen (its vision tower and LM forward, in both
+    arms), else one shown again (spliced by mmkv), else text only (an erratum or a question)."""
+    if turn.new_screenshot is not None:
+        return "new screenshot"
+    return "screenshot again" if turn.shown_again else "text only"
+
+
+def _agent_per_kind(sessions: list[list[dict]], script: list[AgentTurn]) -> list[dict]:
+    """Per kind of turn (`turn_kind`): in each session, mmkv exact's time to the first token summed
+    over the turns of that kind, over exact-prefix caching's summed over the same turns; the median
+    of those session ratios and its 95% interval (`median_interval`). Sessions are independent
+    where a session's turns are not, so this pools a kind's turns without counting them as
+    independent samples."""
+    out = []
+    for kind in AGENT_TURN_KINDS:
+        turns = [t for t, turn in enumerate(script) if turn_kind(turn) == kind]
+        if not turns:
+            continue
+        ratio = {key: median_interval([sum(rows[t]["arms"]["mmkv exact"][key] for t in turns)
+                                       / sum(rows[t]["arms"]["exact-prefix caching"][key] for t in turns)
+                                       for rows in sessions]) for key in ("ms", "cpu_ms")}
+        out.append({"kind": kind, "turns": [t + 1 for t in turns],
+                    "mmkv_over_prefix_ms": ratio["ms"]["median"], "mmkv_over_prefix_cpu": ratio["cpu_ms"]["median"],
+                    "interval_ms": [ratio["ms"]["low"], ratio["ms"]["high"]],
+                    "interval_cpu": [ratio["cpu_ms"]["low"], ratio["cpu_ms"]["high"]]})
     return out
 
 

@@ -38,7 +38,7 @@ import torch
 from mmkv.adapters import ImageFeatures, VLAdapter
 from mmkv.kv.chunks import CachedChunk
 from mmkv.request.registry import Registries, RegisteredImage, image_id_for
-from mmkv.request.splice import PrefillResult, isolated_chunk, prefill_full
+from mmkv.request.splice import PrefillResult, isolated_chunk, kv_elements_per_token, prefill_full
 from mmkv.store.kv_store import PurgeWatch
 
 log = logging.getLogger("mmkv.first_sight")
@@ -48,8 +48,7 @@ DEFAULT_BUDGET_BYTES = 256 << 20  # pending builds' features and the KV their pr
 
 def kv_bytes_per_token(adapter: VLAdapter) -> int:
     """K and V of every layer for one token, at the model's dtype."""
-    heads, head_dim = adapter.kv_shape
-    return 2 * adapter.num_layers * heads * head_dim * adapter.dtype.itemsize
+    return kv_elements_per_token(adapter) * adapter.dtype.itemsize
 
 
 @dataclass(eq=False)

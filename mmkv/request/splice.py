@@ -339,7 +339,7 @@ def pool_of(adapter: VLAdapter) -> SlotPool:
 ADAPTER_POOL = "adapter"  # `preallocate`'s default: the adapter's pool (`pool_of`)
 
 
-def _token_numel(adapter: VLAdapter) -> int:
+def kv_elements_per_token(adapter: VLAdapter) -> int:
     """Elements one token's KV takes in a slot buffer: keys and values of every layer."""
     heads, head_dim = adapter.kv_shape
     return 2 * adapter.num_layers * heads * head_dim
@@ -350,7 +350,7 @@ def _slot_layers(adapter: VLAdapter, flat: torch.Tensor, total: int) -> list[tup
     tokens as it has room for: a buffer's layout depends on its size only, so a later request in
     it finds an earlier one's KV where that one left it."""
     heads, head_dim = adapter.kv_shape
-    room = flat.numel() // _token_numel(adapter)
+    room = flat.numel() // kv_elements_per_token(adapter)
     grid = flat[:2 * adapter.num_layers * heads * room * head_dim].view(adapter.num_layers, 2, 1, heads, room, head_dim)
     return [(grid[i, 0, :, :, :total], grid[i, 1, :, :, :total]) for i in range(adapter.num_layers)]
 
@@ -358,7 +358,7 @@ def _slot_layers(adapter: VLAdapter, flat: torch.Tensor, total: int) -> list[tup
 def _lend(adapter: VLAdapter, total: int, pool: SlotPool | None | str, owner: object = None,
           want: list[str] = (), after: tuple[int, ...] = ()) -> tuple[SlotPool | None, Lent]:
     """A buffer for `total` tokens of KV from `pool` (None: fresh; ADAPTER_POOL: `pool_of`)."""
-    numel = _token_numel(adapter) * total
+    numel = kv_elements_per_token(adapter) * total
     pool = pool_of(adapter) if pool == ADAPTER_POOL else pool
     if pool is None:
         return None, Lent(torch.empty(numel, dtype=adapter.dtype, device=adapter.device))
@@ -402,7 +402,7 @@ def hold_for_next_turn(adapter: VLAdapter, layers: list, owner: object, keys: li
     time to its first."""
     pool = pool_of(adapter)
     held = len(keys) * block + len(tail)
-    per_token = _token_numel(adapter)
+    per_token = kv_elements_per_token(adapter)
     into = pool.room_for(layers[0].keys, int(held * POOL_GROWTH) * per_token, int(held * OUTGROWN_ROOM) * per_token,
                          layers[0].keys.dtype) if held else None
     if into is not None:
