@@ -317,9 +317,15 @@ def test_two_agent_arms_over_six_sessions_give_each_turn_an_interval(tmp_path):
     from mmkv.bench.run import agent_script, turn_kind
 
     kinds = [turn_kind(t) for t in agent_script(3, 0)]
-    assert [k["kind"] for k in a["per_kind"]] == ["new screenshot", "screenshot again", "text only"][:len(set(kinds))]
-    for k in a["per_kind"]:
+    assert [k["kind"] for k in a["per_kind"]] == ["new screenshot", "screenshot again", "computed alike"]
+    for k in a["per_kind"][:2]:
         assert k["turns"] == [t + 1 for t, kind in enumerate(kinds) if kind == k["kind"]]
+    for rows in a["sessions"]:  # the turns computed alike: the same vision runs, at most a block fewer tokens
+        alike = [t["turn"] for t in rows if t["arms"]["mmkv exact"]["vision_runs"] == t["arms"]["exact-prefix caching"]
+                 ["vision_runs"] and t["arms"]["mmkv exact"]["computed_tokens"] + 16
+                 >= t["arms"]["exact-prefix caching"]["computed_tokens"]]
+        assert alike == a["per_kind"][2]["turns"] == [1, 3]  # first sights; turn 2 splices screenshot 0
+    for k in a["per_kind"]:
         ratios = sorted(sum(rows[t - 1]["arms"]["mmkv exact"]["ms"] for t in k["turns"])
                         / sum(rows[t - 1]["arms"]["exact-prefix caching"]["ms"] for t in k["turns"]) for rows in a["sessions"])
         assert k["interval_ms"] == [ratios[0], ratios[-1]] and ratios[0] <= k["mmkv_over_prefix_ms"] <= ratios[-1]

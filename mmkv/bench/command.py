@@ -145,8 +145,9 @@ def format_agent(a: dict) -> str:
                  "intervals need 6 sessions or more. ")
               + "A screenshot first seen in a turn is computed in its context; its reusable chunk is built after the "
                 "turn, untimed (an agent's environment step is the idle time: the background build ms column)."]
-    lines += ["\nthe turns of each kind together (per session, mmkv exact's TTFT summed over them over exact-prefix "
-              "caching's; median of the sessions, 95% interval):", "",
+    lines += ["\nthe turns of each kind together, and the turns both arms computed alike (as many vision-tower runs, "
+              "at most a block fewer tokens for mmkv): per session, mmkv exact's TTFT summed over them over "
+              "exact-prefix caching's; median of the sessions, 95% interval:", "",
               "| turns | which | mmkv / exact-prefix, wall | CPU |", "|---|---|---|---|"]
     lines += [f"| {k['kind']} | {', '.join(map(str, k['turns']))} | {_ratio(k['mmkv_over_prefix_ms'], k['interval_ms'])} "
               f"| {_ratio(k['mmkv_over_prefix_cpu'], k['interval_cpu'])} |" for k in a["per_kind"]]

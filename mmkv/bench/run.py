@@ -882,15 +882,28 @@ def turn_kind(turn: AgentTurn) -> str:
     return "screenshot again" if turn.shown_again else "text only"
 
 
+COMPUTED_ALIKE = "computed alike"  # the turns where mmkv does the work exact-prefix caching does
+
+
+def computed_alike(row: dict) -> bool:
+    """Whether mmkv exact did a turn's work as exact-prefix caching did: as many vision-tower runs
+    and at most one block's tokens fewer through the language model (what a turn with nothing to
+    splice and nothing cut from its history comes to)."""
+    mmkv, prefix = row["arms"]["mmkv exact"], row["arms"]["exact-prefix caching"]
+    return mmkv["vision_runs"] == prefix["vision_runs"] and mmkv["computed_tokens"] >= prefix["computed_tokens"] - BLOCK
+
+
 def _agent_per_kind(sessions: list[list[dict]], script: list[AgentTurn]) -> list[dict]:
-    """Per kind of turn (`turn_kind`): in each session, mmkv exact's time to the first token summed
-    over the turns of that kind, over exact-prefix caching's summed over the same turns; the median
-    of those session ratios and its 95% interval (`median_interval`). Sessions are independent
-    where a session's turns are not, so this pools a kind's turns without counting them as
-    independent samples."""
+    """Per kind of turn (`turn_kind`), and for the turns computed alike (`computed_alike`; the same
+    in every session, the session being seeded): in each session, mmkv exact's time to the first
+    token summed over those turns, over exact-prefix caching's summed over the same turns; the
+    median of those session ratios and its 95% interval (`median_interval`). Sessions are
+    independent where a session's turns are not, so this pools the turns without counting them
+    as independent samples."""
     out = []
-    for kind in AGENT_TURN_KINDS:
-        turns = [t for t, turn in enumerate(script) if turn_kind(turn) == kind]
+    for kind in (*AGENT_TURN_KINDS, COMPUTED_ALIKE):
+        turns = ([t for t, row in enumerate(sessions[-1]) if computed_alike(row)] if kind == COMPUTED_ALIKE else
+                 [t for t, turn in enumerate(script) if turn_kind(turn) == kind])
         if not turns:
             continue
         ratio = {key: median_interval([sum(rows[t]["arms"]["mmkv exact"][key] for t in turns)
