@@ -861,14 +861,20 @@ def _agent_per_turn(sessions: list[list[dict]]) -> list[dict]:
     out = []
     for rows in zip(*sessions):
         mmkv, prefix = ([row["arms"][arm] for row in rows] for arm in ("mmkv exact", "exact-prefix caching"))
-        ratio = {key: median_interval([m[key] / p[key] for m, p in zip(mmkv, prefix)]) for key in ("ms", "cpu_ms")}
         med = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
-        out.append({"turn": rows[0]["turn"], "mmkv_over_prefix_ms": ratio["ms"]["median"],
-                    "mmkv_over_prefix_cpu": ratio["cpu_ms"]["median"],
-                    "interval_ms": [ratio["ms"]["low"], ratio["ms"]["high"]],
-                    "interval_cpu": [ratio["cpu_ms"]["low"], ratio["cpu_ms"]["high"]],
+        out.append({"turn": rows[0]["turn"], **_paired_ratio(mmkv, prefix),
                     "background_ms": med(mmkv, "background_ms"), "background_tokens": med(mmkv, "background_tokens")})
     return out
+
+
+def _paired_ratio(mmkv: list[dict], prefix: list[dict]) -> dict:
+    """mmkv exact over exact-prefix caching, session by session (`mmkv[i]` and `prefix[i]`: one
+    session's wall and CPU milliseconds), in wall and CPU time: the median of those ratios and its
+    95% interval (`median_interval`)."""
+    ratio = {key: median_interval([m[key] / p[key] for m, p in zip(mmkv, prefix)]) for key in ("ms", "cpu_ms")}
+    return {"mmkv_over_prefix_ms": ratio["ms"]["median"], "mmkv_over_prefix_cpu": ratio["cpu_ms"]["median"],
+            "interval_ms": [ratio["ms"]["low"], ratio["ms"]["high"]],
+            "interval_cpu": [ratio["cpu_ms"]["low"], ratio["cpu_ms"]["high"]]}
 
 
 AGENT_TURN_KINDS = ("new screenshot", "screenshot again", "text only")
@@ -906,13 +912,9 @@ def _agent_per_kind(sessions: list[list[dict]], script: list[AgentTurn]) -> list
                  [t for t, turn in enumerate(script) if turn_kind(turn) == kind])
         if not turns:
             continue
-        ratio = {key: median_interval([sum(rows[t]["arms"]["mmkv exact"][key] for t in turns)
-                                       / sum(rows[t]["arms"]["exact-prefix caching"][key] for t in turns)
-                                       for rows in sessions]) for key in ("ms", "cpu_ms")}
-        out.append({"kind": kind, "turns": [t + 1 for t in turns],
-                    "mmkv_over_prefix_ms": ratio["ms"]["median"], "mmkv_over_prefix_cpu": ratio["cpu_ms"]["median"],
-                    "interval_ms": [ratio["ms"]["low"], ratio["ms"]["high"]],
-                    "interval_cpu": [ratio["cpu_ms"]["low"], ratio["cpu_ms"]["high"]]})
+        mmkv, prefix = ([{key: sum(rows[t]["arms"][arm][key] for t in turns) for key in ("ms", "cpu_ms")}
+                         for rows in sessions] for arm in ("mmkv exact", "exact-prefix caching"))
+        out.append({"kind": kind, "turns": [t + 1 for t in turns], **_paired_ratio(mmkv, prefix)})
     return out
 
 
